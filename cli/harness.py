@@ -1,0 +1,18 @@
+"""`legorl harness ...`."""
+
+from __future__ import annotations
+
+import typer
+
+from legorl.cli.common import not_implemented
+
+sub = typer.Typer(help="Coding-agent harnesses: install, list.", no_args_is_help=True)
+
+
+@sub.callback(invoke_without_command=True, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def _not_yet(ctx: typer.Context) -> None:
+    not_implemented("harness")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(sub, name="harness")

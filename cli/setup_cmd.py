@@ -1,0 +1,14 @@
+"""`legorl setup`."""
+
+from __future__ import annotations
+
+import typer
+
+from legorl.cli.common import not_implemented
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("setup", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def setup_command() -> None:
+        """Not implemented yet."""
+        not_implemented("setup")

@@ -1,0 +1,65 @@
+"""The engine interface. Engines know tokens, never HTTP protocols or chat formats (the proxy does)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+    stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (it is kept)
+    seed: int | None = None
+
+
+@dataclass
+class Generation:
+    """What the policy sampled for one request.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the distribution it was
+    actually sampled from (after temperature / top-k / top-p). ``routed_experts`` is
+    ``[prompt_len + len(token_ids), layers, top_k]`` int16 for MoE models, covering the prompt too
+    (the training forward pass needs routing for every position), else None.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"  # "stop" (a stop token) | "length" (max_tokens or context)
+    routed_experts: np.ndarray | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass
+class TokenChunk:
+    """A piece of a generation as it is produced (for streaming); the final chunk has ``final``."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    final: Generation | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One policy behind an async token interface. Implementations: embedded, vllm, scripted."""
+
+    name: str  # model name reported to clients
+    max_context: int  # prompt + completion tokens the engine accepts
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        """Yield chunks as tokens are sampled; the last chunk carries the complete Generation."""
+        ...
+
+    async def load_weights(self, path: str) -> None:
+        """Serve the checkpoint at ``path`` from the next request on (between policy steps)."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Sandboxes: one fresh container per trial or grading run."""

@@ -1,0 +1,51 @@
+"""The sandbox interface. Sandboxes know containers, never agents or graders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    output: str  # stdout and stderr interleaved, decoded with errors="replace"
+    timed_out: bool = False
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    image: str
+    labels: dict[str, str] = field(default_factory=dict)
+    network: bool = False  # True: slirp4netns with the host loopback reachable at 10.0.2.2
+    memory: str = "4g"
+    pids_limit: int = 1024
+    cpus: float | None = None
+    mounts: tuple[tuple[str, str, bool], ...] = ()  # (host path, container path, read_only)
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/testbed"
+    deadline_s: float | None = None  # wall-clock lifetime after which the reaper removes it
+
+
+class Sandbox(Protocol):
+    name: str
+
+    def exec(
+        self, command: str | list[str], timeout: float | None = None, workdir: str | None = None,
+        env: dict[str, str] | None = None, user: str | None = None,
+    ) -> ExecResult:
+        """Run a command (a string goes through ``bash -lc``); a timeout kills it and sets timed_out."""
+        ...
+
+    def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+
+    def get_file(self, path: str) -> bytes: ...
+
+    def put_dir(self, host_dir: str, path: str) -> None: ...
+
+    def alive(self) -> bool: ...
+
+    def remove(self) -> None:
+        """Remove the container; safe to call twice."""
+        ...
