@@ -368,6 +368,8 @@ class TrialRow(_Row):
 
 @dataclass(slots=True)
 class TestResult(_Row):
+    __test__ = False  # not a pytest test class
+
     name: str
     kind: str
     status: str

@@ -26,6 +26,8 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/testbed"
     deadline_s: float | None = None  # wall-clock lifetime after which the reaper removes it
+    init: bool = True  # --init: a tiny PID 1 that forwards signals and reaps zombies
+    command: tuple[str, ...] = ("sleep", "infinity")  # what the container runs while it waits for execs
 
 
 class Sandbox(Protocol):
@@ -45,6 +47,11 @@ class Sandbox(Protocol):
     def put_dir(self, host_dir: str, path: str) -> None: ...
 
     def alive(self) -> bool: ...
+
+    def patch(self, base: str | None = None, path: str = "/testbed") -> str:
+        """``git diff --binary`` of everything changed under ``path`` since ``base`` (default: the
+        commit the testbed was created at), untracked files included; ignored files are not."""
+        ...
 
     def remove(self) -> None:
         """Remove the container; safe to call twice."""

@@ -1,0 +1,3 @@
+from legorl.cli.app import main
+
+main()

@@ -1,0 +1,486 @@
+"""The embedded engine: a transformers model in-process (CPU or GPU) with continuous batching.
+
+One worker thread owns the model. Requests arrive from any event loop; each is prefilled alone
+(batch 1, no padding, so prompt logits and routing are exactly those of a plain forward pass) and
+then joins the running batch, whose KV cache is left-padded to a common length. Every decode step
+feeds the last sampled token of each active sequence in one forward pass, samples each row with its
+own parameters and its own seeded generator, and streams the token back to the request's event
+loop. Finished rows leave the batch at once and new ones join between steps, so a long generation
+never holds up a new request (continuous batching).
+
+Logprobs are those of the distribution actually sampled from: :func:`process_logits` applies
+temperature, then top-k, then top-p (the order of vLLM and transformers) and returns the
+log-softmax of what is left; the sampled token's entry is recorded. With ``temperature == 0`` the
+token is the argmax and its logprob is taken from the same processing at temperature 1 (top-k /
+top-p still applied) — a point mass would record 0.0 for every token and tell a trainer nothing.
+A trainer reproduces the numbers with a full forward pass and the same :func:`process_logits`.
+
+The engine stops a sequence after the model's EOS ids (from ``generation_config``; vLLM does the
+same unless told ``ignore_eos``) or any of ``stop_token_ids``; the stop token is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from legorl.engines import PromptTooLong
+from legorl.engines.base import Generation, SamplingParams, TokenChunk
+from legorl.errors import ConfigError, LegorlError
+from legorl.routing import capture_routing, routing_shape
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def process_logits(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Log-probabilities ``[N, V]`` (float32) of the sampling distribution for logits ``[N, V]``.
+
+    Temperature (0 counts as 1, see the module docstring), then top-k (ties with the k-th value are
+    kept), then top-p (the smallest prefix of the sorted distribution whose mass reaches ``top_p``;
+    the most likely token is always kept). Removed tokens get ``-inf``. Each of the parameters may be
+    a scalar or a per-row tensor ``[N]``.
+    """
+    x = logits.float()
+    n, v = x.shape
+    dev = x.device
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=dev).reshape(-1, 1).expand(n, 1)
+    t = torch.where(t > 0, t, torch.ones_like(t))
+    x = x / t
+    k = torch.as_tensor(top_k, dtype=torch.long, device=dev).reshape(-1).expand(n)
+    p = torch.as_tensor(top_p, dtype=torch.float32, device=dev).reshape(-1).expand(n)
+    use_k = (k > 0) & (k < v)
+    use_p = p < 1.0
+    if bool(use_k.any()) or bool(use_p.any()):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        if bool(use_k.any()):
+            kth = sorted_x.gather(1, (k.clamp(1, v) - 1).reshape(-1, 1))
+            drop_k = use_k.reshape(-1, 1) & (x < kth)
+            x = x.masked_fill(drop_k, float("-inf"))
+            sorted_x = sorted_x.masked_fill(use_k.reshape(-1, 1) & (sorted_x < kth), float("-inf"))
+        if bool(use_p.any()):
+            probs = torch.softmax(sorted_x, dim=-1)
+            before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
+            drop_sorted = use_p.reshape(-1, 1) & (before > p.reshape(-1, 1))
+            drop_sorted[:, 0] = False
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def _params_tensors(rows: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return (
+        torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device),
+        torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
+        torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
+    )
+
+
+def validate_params(params: SamplingParams) -> None:
+    if params.max_tokens < 1:
+        raise ConfigError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    if params.temperature < 0:
+        raise ConfigError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise ConfigError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[TokenChunk | BaseException]
+    generator: torch.Generator
+    max_new: int
+    stop: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routing: list[np.ndarray] = field(default_factory=list)
+    cancelled: bool = False
+
+    def emit(self, item: TokenChunk | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the request's event loop is gone
+            self.cancelled = True
+
+
+@dataclass
+class EngineStats:
+    """Counters for tests and benchmarks: how much batching actually happened."""
+
+    prefills: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    max_batch: int = 0
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    loads: int = 0
+
+
+class EmbeddedEngine:
+    """A transformers causal LM served in-process behind the :class:`~legorl.engines.base.Engine` API.
+
+    ``dtype`` is float32 by default (logprob fidelity ~1e-6 against a float32 recompute); bfloat16
+    halves memory at ~1e-2 logprob error. ``max_batch`` bounds how many sequences decode together.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | None = None,
+        dtype: str = "float32",
+        max_batch: int = 32,
+        max_context: int | None = None,
+        name: str | None = None,
+    ):
+        if dtype not in _DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
+        if max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = _DTYPES[dtype]
+        self.max_batch = max_batch
+        self.name = name or self.model_dir.name
+        self.model = self._load(self.model_dir)
+        cfg = self.model.config
+        self.max_context = int(max_context or cfg.max_position_embeddings)
+        eos = getattr(self.model.generation_config, "eos_token_id", None) or cfg.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.routing_shape = routing_shape(self.model)
+        if getattr(cfg, "use_sliding_window", False):
+            self.max_batch = 1  # sliding-window caches cannot be left-padded and merged
+        self.stats = EngineStats()
+        self._inbox: queue.Queue[_Request | tuple[str, Path, Future[None]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # --------------------------------------------------------------------------------- public API
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        final: Generation | None = None
+        async for chunk in self.stream(prompt_ids, params):
+            final = chunk.final or final
+        assert final is not None
+        return final
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        req = self._submit(list(prompt_ids), params)
+        try:
+            while True:
+                item = await req.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.final is not None:
+                    return
+        finally:
+            req.cancelled = True  # the consumer stopped early (client gone): free the batch slot
+
+    async def load_weights(self, path: str) -> None:
+        """Swap in the checkpoint at ``path``: in-flight sequences finish on the old weights first,
+        new requests wait and then run on the new ones."""
+        fut: Future[None] = Future()
+        self._ensure_worker()
+        self._inbox.put(("load", Path(path), fut))
+        await asyncio.wrap_future(fut)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._thread is not None:
+            self._inbox.put(None)
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # ------------------------------------------------------------------------------------ plumbing
+
+    def _load(self, path: Path) -> Any:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        if not (Path(path) / "config.json").exists():
+            raise ConfigError(f"{path}: not a model directory (no config.json); build one with `legorl model init`")
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        return model.to(self.device).eval()
+
+    def _submit(self, prompt: list[int], params: SamplingParams) -> _Request:
+        if self._closed:
+            raise LegorlError("engine is closed")
+        validate_params(params)
+        if not prompt:
+            raise ConfigError("empty prompt: at least one token is required")
+        if len(prompt) >= self.max_context:
+            raise PromptTooLong(f"prompt of {len(prompt)} tokens leaves no room in the context of {self.max_context}")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ConfigError(f"prompt holds token ids outside [0, {vocab})")
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        req = _Request(
+            prompt=prompt,
+            params=params,
+            loop=asyncio.get_running_loop(),
+            out=asyncio.Queue(),
+            generator=gen,
+            max_new=min(params.max_tokens, self.max_context - len(prompt)),
+            stop=frozenset(params.stop_token_ids) | frozenset(self.eos_token_ids),
+        )
+        self._ensure_worker()
+        self._inbox.put(req)
+        return req
+
+    def _ensure_worker(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=f"legorl-engine-{self.name}", daemon=True)
+                self._thread.start()
+
+    # ------------------------------------------------------------------------------ worker thread
+
+    def _run(self) -> None:
+        batch = _Batch()
+        waiting: list[_Request] = []
+        loads: list[tuple[Path, Future[None]]] = []
+        with torch.inference_mode():
+            while True:
+                # Collect new work: block only when there is nothing to decode.
+                block = not batch.rows and not waiting and not loads
+                items: list[_Request | tuple[str, Path, Future[None]] | None] = []
+                try:
+                    items.append(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+                    while True:
+                        items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                for it in items:
+                    if it is None:
+                        self._fail_all(batch.rows + waiting, LegorlError("engine closed"))
+                        for _, fut in loads:
+                            fut.set_exception(LegorlError("engine closed"))
+                        return
+                    if isinstance(it, tuple):
+                        loads.append((it[1], it[2]))
+                    else:
+                        waiting.append(it)
+                if loads and not batch.rows:  # drained: swap weights before admitting anyone
+                    for path, fut in loads:
+                        try:
+                            self.model = self._load(path)
+                            self.stats.loads += 1
+                            fut.set_result(None)
+                        except Exception as e:  # keep serving the old weights
+                            fut.set_exception(e if isinstance(e, LegorlError) else LegorlError(f"{path}: {e}"))
+                    loads.clear()
+                try:
+                    while waiting and not loads and len(batch.rows) < self.max_batch:
+                        req = waiting.pop(0)
+                        if not req.cancelled:
+                            self._prefill(req, batch)
+                    if batch.rows:
+                        self._decode_step(batch)
+                except Exception as e:  # a broken step fails its requests, not the engine
+                    err = e if isinstance(e, LegorlError) else LegorlError(f"engine step failed: {type(e).__name__}: {e}")
+                    self._fail_all(batch.rows, err)
+                    batch.clear()
+
+    @staticmethod
+    def _fail_all(reqs: list[_Request], err: BaseException) -> None:
+        for r in reqs:
+            r.emit(err)
+
+    def _forward(self, ids: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, Any, np.ndarray | None]:
+        with capture_routing(self.model) as cap:
+            out = self.model(input_ids=ids, use_cache=True, **kw)
+        routing = cap.take() if self.routing_shape else None
+        return out.logits[:, -1, :], out.past_key_values, routing
+
+    def _prefill(self, req: _Request, batch: _Batch) -> None:
+        from transformers import DynamicCache
+
+        ids = torch.tensor([req.prompt], device=self.device)
+        logits, cache, routing = self._forward(
+            ids, past_key_values=DynamicCache(config=self.model.config), logits_to_keep=1
+        )
+        self.stats.prefills += 1
+        if routing is not None:
+            req.routing.append(routing)
+        tok, lp = self._sample(logits, [req])
+        if not self._accept(req, tok[0], lp[0]):
+            batch.add(req, cache, len(req.prompt), tok[0])
+
+    def _decode_step(self, batch: _Batch) -> None:
+        batch.drop([i for i, r in enumerate(batch.rows) if r.cancelled])
+        if not batch.rows:
+            return
+        ids, mask, pos = batch.step_inputs(self.device)
+        logits, cache, routing = self._forward(
+            ids, attention_mask=mask, position_ids=pos, past_key_values=batch.cache
+        )
+        batch.cache = cache
+        batch.mask = mask
+        n = len(batch.rows)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += n
+        self.stats.max_batch = max(self.stats.max_batch, n)
+        self.stats.batch_sizes[n] += 1
+        if routing is not None:
+            for i, r in enumerate(batch.rows):
+                r.routing.append(routing[i : i + 1])
+        toks, lps = self._sample(logits, batch.rows)
+        done = []
+        for i, r in enumerate(batch.rows):
+            batch.pos[i] += 1
+            batch.next_ids[i] = toks[i]
+            if self._accept(r, toks[i], lps[i]):
+                done.append(i)
+        batch.drop(done)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[list[int], list[float]]:
+        temp, top_k, top_p = _params_tensors([r.params for r in reqs], logits.device)
+        logp = process_logits(logits, temp, top_k, top_p)
+        u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in reqs]).to(logits.device)
+        cdf = torch.cumsum(logp.double().exp(), dim=-1)
+        sampled = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        sampled = sampled.clamp(max=logp.shape[1] - 1)
+        greedy = logp.argmax(dim=-1)
+        tok = torch.where(temp > 0, sampled, greedy)
+        picked = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+        # Float rounding at the very top of the CDF can land on a removed token: take the argmax then.
+        bad = torch.isinf(picked)
+        if bool(bad.any()):
+            tok = torch.where(bad, greedy, tok)
+            picked = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+        return tok.tolist(), picked.tolist()
+
+    def _accept(self, req: _Request, tok: int, lp: float) -> bool:
+        """Record one sampled token and stream it; True when the sequence is finished."""
+        req.tokens.append(tok)
+        req.logprobs.append(lp)
+        finished = tok in req.stop or len(req.tokens) >= req.max_new or req.cancelled
+        final = None
+        if finished:
+            final = Generation(
+                token_ids=list(req.tokens),
+                logprobs=list(req.logprobs),
+                finish_reason="stop" if tok in req.stop else "length",
+                routed_experts=self._routing(req),
+                prompt_tokens=len(req.prompt),
+            )
+        req.emit(TokenChunk(token_ids=[tok], logprobs=[lp], final=final))
+        return finished
+
+    def _routing(self, req: _Request) -> np.ndarray | None:
+        """``[prompt + generated, layers, k]``; the last sampled token was never fed forward, so its
+        row is -1 (replay leaves it to the router; its logits predict nothing inside the sequence)."""
+        if self.routing_shape is None:
+            return None
+        layers, k = self.routing_shape
+        tail = np.full((1, layers, k), -1, dtype=np.int16)
+        out = np.concatenate([*req.routing, tail], axis=0)
+        assert out.shape[0] == len(req.prompt) + len(req.tokens)
+        return out
+
+
+class _Batch:
+    """The running batch: per-row requests + one left-padded KV cache ``[B, heads, S, dim]`` per layer."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.rows: list[_Request] = []
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # [B, S] 1 = real cached token
+        self.pos: list[int] = []  # next position id per row (= real tokens in cache)
+        self.next_ids: list[int] = []  # token to feed next per row
+
+    def add(self, req: _Request, cache: Any, length: int, next_id: int) -> None:
+        dev = cache.layers[0].keys.device
+        new_mask = torch.ones((1, length), dtype=torch.long, device=dev)
+        if not self.rows:
+            self.cache, self.mask = cache, new_mask
+        else:
+            assert self.mask is not None
+            s = max(self.mask.shape[1], length)
+            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+                mine.keys = torch.cat([_lpad(mine.keys, s), _lpad(theirs.keys, s)], 0)
+                mine.values = torch.cat([_lpad(mine.values, s), _lpad(theirs.values, s)], 0)
+            self.mask = torch.cat([_lpad(self.mask, s, dim=1), _lpad(new_mask, s, dim=1)], 0)
+        self.rows.append(req)
+        self.pos.append(length)
+        self.next_ids.append(next_id)
+
+    def drop(self, indices: list[int]) -> None:
+        if not indices:
+            return
+        gone = set(indices)
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        if not keep:
+            self.clear()
+            return
+        assert self.mask is not None
+        idx = torch.tensor(keep, device=self.mask.device)
+        mask = self.mask.index_select(0, idx)
+        # Trim columns that are padding for every remaining row.
+        real = mask.any(0).nonzero()
+        start = int(real[0]) if real.numel() else 0
+        self.mask = mask[:, start:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, idx)[:, :, start:]
+            layer.values = layer.values.index_select(0, idx)[:, :, start:]
+        self.rows = [self.rows[i] for i in keep]
+        self.pos = [self.pos[i] for i in keep]
+        self.next_ids = [self.next_ids[i] for i in keep]
+
+    def step_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert self.mask is not None
+        ids = torch.tensor(self.next_ids, device=device).unsqueeze(1)
+        mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=self.mask.dtype, device=device)], 1)
+        pos = torch.tensor(self.pos, device=device).unsqueeze(1)
+        return ids, mask, pos
+
+
+def _lpad(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
+    """Left-pad ``t`` with zeros along ``dim`` to ``length``."""
+    missing = length - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim)
+
+
+def measure_throughput(engine: EmbeddedEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
+    """Run ``prompts`` concurrently; tokens/s over wall time (used by the benchmark and the report)."""
+
+    async def go() -> list[Generation]:
+        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    t0 = time.perf_counter()
+    gens = asyncio.run(go())
+    dt = time.perf_counter() - t0
+    n = sum(len(g.token_ids) for g in gens)
+    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt}

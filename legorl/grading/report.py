@@ -1,0 +1,77 @@
+"""Per-test verdicts and the FULL / PARTIAL / NO resolution, by SWE-bench's rules.
+
+- A FAIL_TO_PASS test passes when it is PASSED or XFAIL; missing, FAILED, ERROR and SKIPPED fail
+  (a patch that makes every F2P test skip must not resolve the task).
+- A PASS_TO_PASS test is maintained when it is PASSED, XFAIL or SKIPPED.
+- FULL iff every F2P test passes and every P2P test is maintained (an empty list counts as all);
+  PARTIAL iff some but not all F2P tests pass and every P2P test is maintained; NO otherwise.
+  Only FULL is "resolved", and the reward is 1.0 for FULL, 0.0 otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from legorl.grading.logparse import TestStatuses
+from legorl.schemas import Resolution, TestResult
+
+F2P = "FAIL_TO_PASS"
+P2P = "PASS_TO_PASS"
+MISSING = "MISSING"
+
+_PASSING = frozenset({"PASSED", "XFAIL"})
+_MAINTAINED = frozenset({"PASSED", "XFAIL", "SKIPPED"})
+
+
+@dataclass
+class TestReport:
+    __test__ = False  # not a pytest test class
+
+    tests: list[TestResult]
+    resolution: Resolution
+
+    @property
+    def resolved(self) -> bool:
+        return self.resolution == Resolution.FULL
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.resolved else 0.0
+
+    def counts(self, kind: str) -> tuple[int, int]:
+        """(passed, total) for ``kind`` (F2P or P2P)."""
+        mine = [t for t in self.tests if t.kind == kind]
+        return sum(t.passed for t in mine), len(mine)
+
+
+def _fraction(passed: int, total: int) -> float:
+    return 1.0 if total == 0 else passed / total
+
+
+def resolution_of(f2p: tuple[int, int], p2p: tuple[int, int]) -> Resolution:
+    f, p = _fraction(*f2p), _fraction(*p2p)
+    if f == 1 and p == 1:
+        return Resolution.FULL
+    if 0 < f < 1 and p == 1:
+        return Resolution.PARTIAL
+    return Resolution.NO
+
+
+def evaluate(statuses: TestStatuses, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]) -> TestReport:
+    """Judge every listed test against the statuses a log reported."""
+    tests: list[TestResult] = []
+    for kind, names, ok in ((F2P, fail_to_pass, _PASSING), (P2P, pass_to_pass, _MAINTAINED)):
+        for name in names:
+            status = statuses.status(name) or MISSING
+            tests.append(TestResult(name=name, kind=kind, status=status, passed=status in ok))
+    report = TestReport(tests, Resolution.NO)
+    report.resolution = resolution_of(report.counts(F2P), report.counts(P2P))
+    return report
+
+
+def failed_report(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], status: str = MISSING) -> TestReport:
+    """Every listed test failed with one status (the patch did not apply, the tests timed out)."""
+    tests = [TestResult(name=n, kind=F2P, status=status, passed=False) for n in fail_to_pass]
+    tests += [TestResult(name=n, kind=P2P, status=status, passed=False) for n in pass_to_pass]
+    return TestReport(tests, Resolution.NO)

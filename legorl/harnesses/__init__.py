@@ -1,0 +1,1 @@
+"""Coding-agent harness adapters: each runs one unmodified harness against a proxy session."""

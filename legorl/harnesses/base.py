@@ -1,0 +1,327 @@
+"""The harness interface and the mechanics every adapter shares, written once.
+
+A harness adapter knows three things about its harness: which install it needs, how to launch it
+for one trial (command line, environment, config files), and how to read how it ended. Everything
+else is here: the per-trial folder (HOME, config, logs), where the process runs (on the host, or
+inside the trial container), its environment, the wall-clock limit and the kill of its whole
+process group, log capture, and turning all that plus the proxy's view into an
+:class:`~legorl.schemas.Outcome`.
+
+Harnesses never see anything of legorl but a base URL (``/sess/<trial>/v1``, or ``/sess/<trial>``
+for the Anthropic API), the task's problem statement and the repository at ``/testbed``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import ClassVar, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from legorl.harnesses.install import Installation, require
+from legorl.sandbox.base import Sandbox
+from legorl.schemas import Outcome
+
+CONTAINER_TRIAL_DIR = "/legorl"  # where the per-trial folder is mounted inside the container
+HOST_LOOPBACK = "10.0.2.2"  # the host's 127.0.0.1 as seen through slirp4netns
+LOG_NAME = "harness.log"
+KILL_GRACE_S = 5.0
+# What a host-run harness inherits from legorl's environment; everything else is set explicitly,
+# so a user's API keys or proxy settings never leak into (or redirect) a harness.
+_HOST_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "CONTAINERS_CONF", "XDG_RUNTIME_DIR")
+
+
+class End(StrEnum):
+    """How a harness itself says it stopped (before legorl looks at the proxy and the sandbox)."""
+
+    SUBMITTED = "submitted"  # an explicit submit action (mini-swe-agent, OpenHands `finish`)
+    FINISHED = "finished"  # stopped normally with a final answer; submitted iff it changed the repo
+    GAVE_UP = "gave_up"  # e.g. repeated format errors
+    MAX_TURNS = "max_turns"
+    CONTEXT_OVERFLOW = "context_overflow"
+    TIME_LIMIT = "time_limit"  # the harness's own wall-clock limit
+    API_ERROR = "api_error"  # the harness gave up on the model API (the proxy or engine failed)
+    CRASHED = "crashed"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """What a harness is given for one trial."""
+
+    trial_id: str
+    problem_statement: str
+    model: str  # the model name the harness sends (any name: the session decides)
+    openai_base_url: str  # http://HOST:PORT/sess/<id>/v1, as reachable from the host
+    anthropic_base_url: str  # http://HOST:PORT/sess/<id>
+    max_turns: int = 30
+    timeout_s: float = 1800.0
+    temperature: float | None = None
+    workdir: str = "/testbed"
+
+
+@dataclass
+class ProcResult:
+    exit_code: int | None
+    timed_out: bool
+    duration_s: float
+    log_tail: str
+
+
+@dataclass
+class HarnessRun:
+    """What one harness run left behind."""
+
+    end: End
+    detail: str | None
+    exit_code: int | None
+    timed_out: bool
+    duration_s: float
+    log_path: Path
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrialPaths:
+    """The per-trial folder on the host, and the path the harness process sees it under."""
+
+    host: Path
+    view: str  # == str(host) for host-run harnesses, CONTAINER_TRIAL_DIR inside the container
+
+    def at(self, *parts: str) -> str:
+        """A path under the trial folder as the harness sees it."""
+        return "/".join([self.view.rstrip("/"), *parts])
+
+    @property
+    def home(self) -> str:
+        return self.at("home")
+
+
+@dataclass
+class Launch:
+    """How to start the harness: argv and environment as the process sees them."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+class Harness(Protocol):
+    """One coding-agent harness, run unmodified for one trial at a time."""
+
+    name: str
+    in_container: bool  # runs inside the trial container (needs the network path and mounts)
+
+    def mounts(self, trial_dir: Path) -> list[tuple[str, str, bool]]:
+        """Bind mounts the trial container needs for this harness."""
+        ...
+
+    def run(self, trial: TrialSpec, sandbox: Sandbox, trial_dir: Path) -> HarnessRun: ...
+
+
+def container_url(url: str) -> str:
+    """``url`` as reachable from inside a slirp4netns container: host loopback → 10.0.2.2."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if host in ("127.0.0.1", "localhost", "0.0.0.0", "::1"):
+        netloc = HOST_LOOPBACK + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - chars))
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class BaseHarness:
+    """The shared mechanics. Subclasses set ``name``/``in_container`` and write ``launch`` and ``read_end``."""
+
+    name: ClassVar[str]
+    in_container: ClassVar[bool]
+
+    def __init__(self, install: Installation | None = None) -> None:
+        self._install = install
+
+    @property
+    def install(self) -> Installation:
+        if self._install is None:
+            self._install = require(self.name)
+        return self._install
+
+    # -- hooks
+
+    def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
+        """Write the harness's config into the trial folder; return how to start it."""
+        raise NotImplementedError
+
+    def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
+        """How the harness says it ended, from its output files and logs."""
+        raise NotImplementedError
+
+    # -- shared
+
+    def mounts(self, trial_dir: Path) -> list[tuple[str, str, bool]]:
+        if not self.in_container:
+            return []
+        return [*self.install.mounts(), (str(trial_dir), CONTAINER_TRIAL_DIR, False)]
+
+    def paths(self, trial_dir: Path) -> TrialPaths:
+        paths = TrialPaths(trial_dir, CONTAINER_TRIAL_DIR if self.in_container else str(trial_dir))
+        (trial_dir / "home").mkdir(parents=True, exist_ok=True)
+        return paths
+
+    def base_env(self, paths: TrialPaths) -> dict[str, str]:
+        """A private HOME and XDG dirs per trial; nothing inherited that could redirect the harness."""
+        home = paths.home
+        env = {
+            "HOME": home,
+            "XDG_CONFIG_HOME": f"{home}/.config",
+            "XDG_CACHE_HOME": f"{home}/.cache",
+            "XDG_DATA_HOME": f"{home}/.local/share",
+            "XDG_STATE_HOME": f"{home}/.local/state",
+            "LANG": "C.UTF-8",
+            "NO_COLOR": "1",
+            "TERM": "dumb",
+        }
+        if not self.in_container:
+            env |= {k: os.environ[k] for k in _HOST_ENV_KEEP if k in os.environ}
+        return env
+
+    def run(self, trial: TrialSpec, sandbox: Sandbox, trial_dir: Path) -> HarnessRun:
+        paths = self.paths(trial_dir)
+        launch = self.launch(trial, paths, sandbox)
+        (trial_dir / "command.txt").write_text(shlex.join(launch.argv) + "\n")
+        log = trial_dir / LOG_NAME
+        if self.in_container:
+            proc = run_in_sandbox(sandbox, launch, trial.timeout_s, trial.workdir)
+        else:
+            proc = run_on_host(launch, trial.timeout_s, log, cwd=trial_dir)
+        try:
+            end, detail = self.read_end(paths, proc)
+        except Exception as exc:  # a harness's output we cannot read is its crash, not ours
+            end, detail = End.CRASHED, f"unreadable harness output: {exc}"
+        if proc.timed_out:
+            end = End.TIME_LIMIT if end in (End.UNKNOWN, End.CRASHED) else end
+        return HarnessRun(end, detail, proc.exit_code, proc.timed_out, proc.duration_s, log)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcResult:
+    """Run on the host in its own session; on timeout the whole process group is killed."""
+    start = time.monotonic()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=launch.env, cwd=cwd, start_new_session=True,
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc, KILL_GRACE_S)
+        except BaseException:
+            kill_group(proc, 0)
+            raise
+    return ProcResult(proc.returncode, timed_out, time.monotonic() - start, tail(log))
+
+
+def kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """TERM the process group, then KILL it after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait)
+            # the leader is gone, but children in the group may linger: KILL them too
+            os.killpg(proc.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            pass
+        return
+
+
+def run_in_sandbox(sandbox: Sandbox, launch: Launch, timeout_s: float, workdir: str) -> ProcResult:
+    """Run inside the trial container, output to the trial folder's log; the sandbox's timeout kills
+    the harness's whole process group in the container."""
+    log = f"{CONTAINER_TRIAL_DIR}/{LOG_NAME}"
+    script = f'exec "$@" >>{log} 2>&1 </dev/null'
+    res = sandbox.exec(["sh", "-c", script, "sh", *launch.argv], timeout=timeout_s, workdir=workdir,
+                       env=launch.env)
+    return ProcResult(res.exit_code, res.timed_out, res.duration_s, res.output[-4000:])
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- outcomes
+
+
+@dataclass(frozen=True)
+class ProxyView:
+    """What the proxy saw of a trial (from its capture), for classifying the outcome."""
+
+    calls: int = 0
+    budget_stop: str | None = None  # legorl.proxy.budgets reasons
+    engine_error: str | None = None  # the engine failed while serving this session
+
+
+_BUDGET_OUTCOMES = {"max_turns": Outcome.MAX_TURNS, "context_overflow": Outcome.CONTEXT_OVERFLOW}
+_END_OUTCOMES = {
+    End.SUBMITTED: Outcome.SUBMITTED,
+    End.GAVE_UP: Outcome.NO_SUBMISSION,
+    End.MAX_TURNS: Outcome.MAX_TURNS,
+    End.CONTEXT_OVERFLOW: Outcome.CONTEXT_OVERFLOW,
+    End.TIME_LIMIT: Outcome.TIMEOUT,
+    End.CRASHED: Outcome.HARNESS_CRASH,
+}
+
+
+def classify(run: HarnessRun, proxy: ProxyView, sandbox_alive: bool, patch: str | None) -> tuple[Outcome, str | None]:
+    """The trial's outcome. Infrastructure first (the sandbox died, the engine failed, the harness
+    never reached the model), then the hard kill, then the proxy's budget stops (they end the
+    episode with a normal reply, so the harness itself thinks it finished), then the harness's own
+    account."""
+    if not sandbox_alive:
+        return Outcome.INFRA_ERROR, "the sandbox container died during the trial"
+    if proxy.engine_error:
+        return Outcome.INFRA_ERROR, f"engine failed: {proxy.engine_error}"
+    if run.timed_out:
+        return Outcome.TIMEOUT, f"killed after the wall-clock limit ({run.duration_s:.0f} s)"
+    if proxy.budget_stop:
+        return _BUDGET_OUTCOMES.get(proxy.budget_stop, Outcome.BUDGET), f"proxy budget: {proxy.budget_stop}"
+    if run.end is End.API_ERROR:
+        return Outcome.INFRA_ERROR, run.detail or "the harness could not reach the model"
+    if proxy.calls == 0 and run.end in (End.CRASHED, End.UNKNOWN):
+        return Outcome.INFRA_ERROR, f"the harness never reached the model: {run.detail or 'no calls'}"
+    if run.end is End.FINISHED:
+        return (Outcome.SUBMITTED if patch else Outcome.NO_SUBMISSION), run.detail
+    if run.end in _END_OUTCOMES:
+        return _END_OUTCOMES[run.end], run.detail
+    if run.exit_code == 0:
+        return Outcome.NO_SUBMISSION, run.detail
+    return Outcome.HARNESS_CRASH, run.detail or f"exit code {run.exit_code}"

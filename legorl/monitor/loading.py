@@ -1,0 +1,244 @@
+"""Read a run directory's shards into the small summaries every monitor view needs.
+
+Part files never change once renamed into place, so :class:`RunReader` summarises each rollout
+part file once (behaviour, token counts) and keeps the result keyed by the file's name, size and
+mtime; a refresh after new shards land only reads the new files. :meth:`RunReader.fingerprint`
+lists the part files (no reads), which makes "did anything change?" cheap enough to poll.
+Duplicate keys resolve as :func:`legorl.shards.read` does: the later file wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from hashlib import sha1
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from legorl import shards
+from legorl.errors import LegorlError
+from legorl.monitor.behaviour import TrialBehaviour, trial_behaviour
+from legorl.paths import RunDir
+from legorl.schemas import GradeRow, Kind, MetricRow, TrialRow
+
+# Columns of grades we summarise (the test log can be large and is read only for one trial).
+_GRADE_COLUMNS = [
+    "task_id", "harness", "step", "reward", "resolved", "resolution", "status", "infra_failure", "error", "tests",
+]
+
+
+@dataclass
+class TrialInfo:
+    """One rollout row, without its tokens and conversation."""
+
+    trial_id: str
+    task_id: str
+    harness: str
+    step: int
+    sample_index: int
+    group_id: str
+    model: str | None
+    outcome: str
+    infra_failure: bool
+    error: str | None
+    patch: str | None
+    behaviour: TrialBehaviour
+    file: Path
+
+    @property
+    def key(self) -> str:
+        """A short, file-name-safe id for the trial (trial ids hold slashes)."""
+        return sha1(self.trial_id.encode()).hexdigest()[:16]
+
+
+@dataclass
+class GradeInfo:
+    trial_id: str
+    task_id: str
+    status: str
+    infra_failure: bool
+    reward: float | None
+    resolved: bool | None
+    resolution: str | None
+    error: str | None
+    tests_passed: int
+    tests_total: int
+
+
+@dataclass
+class Snapshot:
+    """Everything the monitor views read from one run directory, at one fingerprint."""
+
+    root: Path
+    fingerprint: str
+    trials: dict[str, TrialInfo] = field(default_factory=dict)
+    grades: dict[str, GradeInfo] = field(default_factory=dict)
+    metrics: list[MetricRow] = field(default_factory=list)
+    repos: dict[str, str] = field(default_factory=dict)  # task id -> repository
+    task_ids: list[str] = field(default_factory=list)
+    eval_report: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.root.resolve().name
+
+    def repo_of(self, task_id: str) -> str:
+        return self.repos.get(task_id) or repo_from_instance_id(task_id)
+
+    def is_infra(self, trial: TrialInfo) -> bool:
+        grade = self.grades.get(trial.trial_id)
+        return trial.infra_failure or (grade is not None and grade.infra_failure)
+
+
+_SWE_ID = re.compile(r"^(?P<owner>[^_]+(?:_[^_]+)*?)__(?P<name>.+)-\d+$")
+
+
+def repo_from_instance_id(instance_id: str) -> str:
+    """SWE-bench ids read ``owner__repo-NUMBER``; anything else has an unknown repository."""
+    m = _SWE_ID.match(instance_id)
+    return f"{m['owner']}/{m['name']}" if m else "unknown"
+
+
+def _token_counts(table: pa.Table) -> list[list[tuple[str, int, int]]]:
+    """Per row, per segment: (reason, sampled tokens, other tokens), computed with numpy."""
+    segments = table.column("segments").combine_chunks()
+    out: list[list[tuple[str, int, int]]] = [[] for _ in range(table.num_rows)]
+    if len(segments) == 0:
+        return out
+    parents = pc.list_parent_indices(segments).to_numpy()
+    flat = pc.list_flatten(segments)
+    if len(flat) == 0:
+        return out
+    masks = flat.field("loss_mask")
+    lengths = pc.list_value_length(masks).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = pc.list_flatten(masks).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    running = np.concatenate([[0], np.cumsum(values)])
+    sums = running[offsets[1:]] - running[offsets[:-1]]
+    reasons = flat.field("reason").to_pylist()
+    for i, row in enumerate(parents):
+        out[int(row)].append((str(reasons[i]), int(sums[i]), int(lengths[i] - sums[i])))
+    return out
+
+
+def summarise_rollout_file(path: Path) -> list[TrialInfo]:
+    """Read one rollout part file and summarise each of its rows."""
+    table = shards.read_file(path, Kind.ROLLOUTS)
+    counts = _token_counts(table)
+    light = table.drop_columns(["segments"]).to_pylist()
+    out = []
+    for data, seg_counts in zip(light, counts, strict=True):
+        row = TrialRow.from_dict(data)
+        out.append(
+            TrialInfo(
+                trial_id=row.trial_id, task_id=row.task_id, harness=row.harness, step=row.step,
+                sample_index=row.sample_index, group_id=row.group_id, model=row.model, outcome=row.outcome,
+                infra_failure=bool(row.infra_failure), error=row.error, patch=row.patch,
+                behaviour=trial_behaviour(row, seg_counts), file=path,
+            )
+        )
+    return out
+
+
+def _stamp(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (path.name, st.st_size, st.st_mtime_ns)
+
+
+class RunReader:
+    """Reads a run directory incrementally; keep one per run for a long-lived view."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.run = RunDir.at(root)
+        if not self.run.root.is_dir():
+            raise LegorlError(f"{self.run.root}: run directory does not exist")
+        self._rollout_cache: dict[tuple[str, int, int], list[TrialInfo]] = {}
+        self._snapshot: Snapshot | None = None
+
+    def _eval_report_path(self) -> Path:
+        return self.run.eval / "report.json"
+
+    def fingerprint(self) -> str:
+        """A digest of the part-file listings (names, sizes, mtimes) and the eval report's stamp."""
+        digest = sha1()
+        for folder in (self.run.tasks, self.run.rollouts, self.run.grades, self.run.metrics):
+            digest.update(str(folder).encode())
+            for f in shards.part_files(folder):
+                try:
+                    digest.update(repr(_stamp(f)).encode())
+                except FileNotFoundError:
+                    continue
+        report = self._eval_report_path()
+        if report.exists():
+            digest.update(repr(_stamp(report)).encode())
+        return digest.hexdigest()[:16]
+
+    def snapshot(self) -> Snapshot:
+        """The run as it is now; returns the previous snapshot when nothing changed."""
+        fp = self.fingerprint()
+        if self._snapshot is not None and self._snapshot.fingerprint == fp:
+            return self._snapshot
+        snap = Snapshot(root=self.run.root, fingerprint=fp)
+        live: set[tuple[str, int, int]] = set()
+        for f in shards.part_files(self.run.rollouts):
+            stamp = _stamp(f)
+            live.add(stamp)
+            if stamp not in self._rollout_cache:
+                self._rollout_cache[stamp] = summarise_rollout_file(f)
+            for info in self._rollout_cache[stamp]:
+                snap.trials[info.trial_id] = info
+        for stale in set(self._rollout_cache) - live:
+            del self._rollout_cache[stale]
+        snap.grades = {g.trial_id: g for g in _read_grades(self.run.grades)}
+        snap.metrics = shards.read_rows(self.run.metrics, Kind.METRICS)
+        tasks = shards.read(self.run.tasks, Kind.TASKS, columns=["repo"]).table
+        snap.task_ids = tasks.column("instance_id").to_pylist()
+        snap.repos = {
+            i: r for i, r in zip(snap.task_ids, tasks.column("repo").to_pylist(), strict=True) if r
+        }
+        report = self._eval_report_path()
+        if report.exists():
+            try:
+                snap.eval_report = json.loads(report.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise LegorlError(f"{report}: not a readable eval report ({exc})") from exc
+        self._snapshot = snap
+        return snap
+
+    def trial_row(self, trial_id: str) -> TrialRow:
+        """The full rollout row of one trial (read from the file that holds its latest version)."""
+        snap = self.snapshot()
+        info = snap.trials.get(trial_id)
+        if info is None:
+            raise LegorlError(f"{self.run.rollouts}: no trial {trial_id!r}")
+        table = shards.read_file(info.file, Kind.ROLLOUTS)
+        ids = table.column("trial_id").to_pylist()
+        index = max(i for i, t in enumerate(ids) if t == trial_id)
+        return TrialRow.from_dict(table.slice(index, 1).to_pylist()[0])
+
+    def grade_row(self, trial_id: str) -> GradeRow | None:
+        """The full grade row of one trial, test log included, or None when it is not graded."""
+        dataset = shards.read(self.run.grades, Kind.GRADES)
+        table = dataset.table.filter(pc.equal(dataset.table.column("trial_id"), trial_id))
+        if table.num_rows == 0:
+            return None
+        return GradeRow.from_dict(table.slice(table.num_rows - 1, 1).to_pylist()[0])
+
+
+def _read_grades(path: Path) -> Iterable[GradeInfo]:
+    table = shards.read(path, Kind.GRADES, columns=_GRADE_COLUMNS).table
+    for d in table.to_pylist():
+        tests = d.get("tests") or []
+        yield GradeInfo(
+            trial_id=d["trial_id"], task_id=d["task_id"], status=d["status"],
+            infra_failure=bool(d["infra_failure"]), reward=d["reward"], resolved=d["resolved"],
+            resolution=d["resolution"], error=d["error"],
+            tests_passed=sum(1 for t in tests if t.get("passed")), tests_total=len(tests),
+        )

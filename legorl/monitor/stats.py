@@ -1,0 +1,175 @@
+"""Run statistics from a :class:`~legorl.monitor.loading.Snapshot`: rewards, outcomes, groups.
+
+Shared by the eval report, the health summary and the dashboard so all three agree. A trial is an
+infrastructure failure when its rollout or its grade says so; such trials are left out of rewards,
+solve rates and group statistics, and counted in the outcome breakdown.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from legorl.monitor.loading import GradeInfo, Snapshot, TrialInfo
+from legorl.monitor.passk import Problem
+from legorl.schemas import GradeStatus
+
+ALL = "all"
+
+INFRA_ROLLOUT = "infra: rollout"
+INFRA_GRADE = "infra: grade"
+PENDING = "not graded yet"
+RESOLVED = "resolved"
+
+# Display order of outcome categories (others follow alphabetically).
+CATEGORY_ORDER = [
+    RESOLVED, "unresolved: submitted", "unresolved: no_submission", "unresolved: max_turns", "unresolved: budget",
+    "unresolved: context_overflow", "unresolved: timeout", "unresolved: harness_crash",
+    "grade: empty_patch", "grade: patch_apply_failed", "grade: test_timeout", PENDING, INFRA_ROLLOUT, INFRA_GRADE,
+]
+
+
+def category(trial: TrialInfo, grade: GradeInfo | None) -> str:
+    """One label per trial combining how the rollout ended and how grading went."""
+    if trial.infra_failure:
+        return INFRA_ROLLOUT
+    if grade is None:
+        return PENDING
+    if grade.infra_failure or grade.status == GradeStatus.INFRA_ERROR:
+        return INFRA_GRADE
+    if grade.resolved:
+        return RESOLVED
+    if grade.status != GradeStatus.GRADED:
+        return f"grade: {grade.status}"
+    return f"unresolved: {trial.outcome}"
+
+
+def sort_categories(names: Iterable[str]) -> list[str]:
+    rank = {c: i for i, c in enumerate(CATEGORY_ORDER)}
+    return sorted(set(names), key=lambda c: (rank.get(c, len(rank)), c))
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 6)
+
+
+def scored(snap: Snapshot) -> list[tuple[TrialInfo, GradeInfo]]:
+    """Trials with a usable grade (graded, not an infrastructure failure), sorted by trial id."""
+    out = []
+    for tid in sorted(snap.trials):
+        trial = snap.trials[tid]
+        grade = snap.grades.get(tid)
+        if grade is None or snap.is_infra(trial) or grade.status == GradeStatus.INFRA_ERROR:
+            continue
+        out.append((trial, grade))
+    return out
+
+
+def reward_by_step(snap: Snapshot) -> dict[str, dict[str, list[Any]]]:
+    """Per harness (and ``all``): steps, mean reward, solve rate and trial count."""
+    acc: dict[tuple[str, int], list[tuple[float, bool]]] = defaultdict(list)
+    for trial, grade in scored(snap):
+        value = (grade.reward or 0.0, bool(grade.resolved))
+        acc[(trial.harness, trial.step)].append(value)
+        acc[(ALL, trial.step)].append(value)
+    out: dict[str, dict[str, list[Any]]] = {}
+    for (harness, step) in sorted(acc):
+        values = acc[(harness, step)]
+        series = out.setdefault(harness, {"steps": [], "reward_mean": [], "solve_rate": [], "n": []})
+        series["steps"].append(step)
+        series["reward_mean"].append(_r(sum(v for v, _ in values) / len(values)))
+        series["solve_rate"].append(_r(sum(s for _, s in values) / len(values)))
+        series["n"].append(len(values))
+    return out
+
+
+def outcomes_by_step(snap: Snapshot) -> dict[str, Any]:
+    """Counts of each outcome category per step (every trial, infrastructure failures included)."""
+    counts: dict[int, Counter[str]] = defaultdict(Counter)
+    for trial in snap.trials.values():
+        counts[trial.step][category(trial, snap.grades.get(trial.trial_id))] += 1
+    steps = sorted(counts)
+    names = sort_categories(c for cnt in counts.values() for c in cnt)
+    return {"steps": steps, "categories": {n: [counts[s][n] for s in steps] for n in names}}
+
+
+def groups_by_step(snap: Snapshot) -> dict[str, list[Any]]:
+    """Per step: groups (same task, same step) that are all solved, all failed, or mixed.
+
+    A group with the same reward on every attempt has zero advantage everywhere: no gradient.
+    Groups with fewer than two scored attempts are not counted.
+    """
+    groups: dict[str, list[float]] = defaultdict(list)
+    step_of: dict[str, int] = {}
+    for trial, grade in scored(snap):
+        groups[trial.group_id].append(grade.reward or 0.0)
+        step_of[trial.group_id] = trial.step
+    per_step: dict[int, Counter[str]] = defaultdict(Counter)
+    for gid, rewards in groups.items():
+        if len(rewards) < 2:
+            continue
+        if max(rewards) != min(rewards):
+            kind = "mixed"
+        elif rewards[0] > 0:
+            kind = "all_solved"
+        else:
+            kind = "all_failed"
+        per_step[step_of[gid]][kind] += 1
+    steps = sorted(per_step)
+    out: dict[str, list[Any]] = {"steps": steps, "all_solved": [], "all_failed": [], "mixed": [],
+                                 "zero_variance_share": []}
+    for s in steps:
+        c = per_step[s]
+        for kind in ("all_solved", "all_failed", "mixed"):
+            out[kind].append(c[kind])
+        total = sum(c.values())
+        out["zero_variance_share"].append(_r((c["all_solved"] + c["all_failed"]) / total))
+    return out
+
+
+def task_step_grid(snap: Snapshot) -> dict[str, Any]:
+    """Solve rate per (task, step): rows are tasks (sorted), columns steps; None where not attempted."""
+    acc: dict[tuple[str, int], list[bool]] = defaultdict(list)
+    for trial, grade in scored(snap):
+        acc[(trial.task_id, trial.step)].append(bool(grade.resolved))
+    tasks = sorted({t for t, _ in acc})
+    steps = sorted({s for _, s in acc})
+    z = [[_r(sum(acc[(t, s)]) / len(acc[(t, s)])) if acc.get((t, s)) else None for s in steps] for t in tasks]
+    n = [[len(acc.get((t, s), [])) for s in steps] for t in tasks]
+    return {"tasks": tasks, "steps": steps, "solve_rate": z, "n": n}
+
+
+def problems(snap: Snapshot, steps: Iterable[int] | None = None) -> list[Problem]:
+    """One pass@k problem per (task, harness) over trials of ``steps`` (all steps when None)."""
+    wanted = None if steps is None else set(steps)
+    acc: dict[tuple[str, str], Problem] = {}
+    for tid in sorted(snap.trials):
+        trial = snap.trials[tid]
+        if wanted is not None and trial.step not in wanted:
+            continue
+        p = acc.setdefault(
+            (trial.task_id, trial.harness), Problem(trial.task_id, trial.harness, snap.repo_of(trial.task_id))
+        )
+        grade = snap.grades.get(tid)
+        if snap.is_infra(trial) or (grade is not None and grade.status == GradeStatus.INFRA_ERROR):
+            p.infra += 1
+        elif grade is None:
+            p.pending += 1
+        else:
+            p.n += 1
+            p.c += int(bool(grade.resolved))
+    return [acc[k] for k in sorted(acc)]
+
+
+def metric_series(snap: Snapshot) -> dict[str, dict[str, dict[str, list[Any]]]]:
+    """Metric rows as series: key -> harness (``all`` when none) -> steps and values, sorted by step."""
+    latest: dict[tuple[str, str, int], float | None] = {}
+    for m in snap.metrics:
+        latest[(m.key, m.harness or ALL, m.step)] = m.value
+    out: dict[str, dict[str, dict[str, list[Any]]]] = {}
+    for key, harness, step in sorted(latest):
+        series = out.setdefault(key, {}).setdefault(harness, {"steps": [], "values": []})
+        series["steps"].append(step)
+        series["values"].append(latest[(key, harness, step)])
+    return out

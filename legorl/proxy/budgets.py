@@ -1,0 +1,88 @@
+"""Per-session budgets the proxy enforces on behalf of harnesses that do not.
+
+A budget that runs out is answered with a normal, text-only assistant reply (OpenAI
+``finish_reason: "stop"``, Anthropic ``stop_reason: "end_turn"``) that ends the episode, never
+with an HTTP error: harnesses retry errors (OpenCode forever) or start compaction loops on a
+context-length 400. The reason is recorded on the call (``budget_stop``) and on the session.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from legorl.errors import ConfigError
+
+# Values of ``Call.budget_stop`` / ``SessionCapture.budget_stop``.
+MAX_TURNS = "max_turns"
+MAX_TOTAL_TOKENS = "max_total_tokens"
+MAX_WALL = "max_wall_time"
+CONTEXT_OVERFLOW = "context_overflow"
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Limits of one session. ``None`` means unlimited (the context is always limited)."""
+
+    max_turns: int | None = None
+    """Model calls that generate (budget-stopped calls do not count)."""
+    max_total_tokens: int | None = None
+    """Tokens held across all of the session's segments (prompt + sampled)."""
+    max_context: int | None = None
+    """Prompt + completion tokens of one call; defaults to (and is capped by) the engine's context."""
+    max_wall_s: float | None = None
+    """Seconds since the session was created."""
+    max_tokens_per_call: int | None = None
+    """Cap on a call's completion tokens, whatever the request asks."""
+    context_overflow: str = "reply"
+    """``reply`` (default: a budget-stop reply) or ``error`` (an OpenAI/Anthropic 400)."""
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "budgets") -> Budgets:
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected an object")
+        known = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in known:
+                raise ConfigError(f"{where}.{key}: unknown budget (known: {', '.join(known)})")
+            if value is None:
+                continue
+            if key == "context_overflow":
+                if value not in ("reply", "error"):
+                    raise ConfigError(f"{where}.{key}: must be 'reply' or 'error'")
+            elif key == "max_wall_s":
+                if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                    raise ConfigError(f"{where}.{key}: must be a positive number")
+            elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{where}.{key}: must be a positive integer")
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def check_before_call(self, turns: int, total_tokens: int, created_at: float) -> str | None:
+        """The budget that forbids another call, or None."""
+        if self.max_turns is not None and turns >= self.max_turns:
+            return MAX_TURNS
+        if self.max_total_tokens is not None and total_tokens >= self.max_total_tokens:
+            return MAX_TOTAL_TOKENS
+        if self.max_wall_s is not None and time.time() - created_at >= self.max_wall_s:
+            return MAX_WALL
+        return None
+
+
+def stop_message(reason: str, budgets: Budgets) -> str:
+    """The text of a budget-stop reply: plain, final, and saying why."""
+    limits = {
+        MAX_TURNS: f"the maximum number of turns ({budgets.max_turns})",
+        MAX_TOTAL_TOKENS: f"the token budget ({budgets.max_total_tokens} tokens)",
+        MAX_WALL: f"the time budget ({budgets.max_wall_s} s)",
+        CONTEXT_OVERFLOW: "the model's context length",
+    }
+    what = limits.get(reason, reason)
+    return f"I have reached {what} for this task and must stop here."

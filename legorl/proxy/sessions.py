@@ -1,0 +1,329 @@
+"""Per-session token capture: a tree of token sequences (segments) and the calls that built them.
+
+Invariant: a segment's ``token_ids`` are exactly what the engine was given as prompt plus what it
+sampled, in order, so a trainer's forward pass over a segment sees what the policy saw. Prompt
+tokens have mask 0, sampled tokens mask 1 with their sampling logprobs.
+
+How a request is placed (``Session.plan``):
+
+1. **Extension.** The request extends segment *s* when *s*'s held conversation is a prefix of the
+   request's messages — earlier assistant turns matched by tool-call id or content, never by
+   re-tokenizing — and the tools are the same. The whole conversation is rendered as text, the
+   render of the held conversation must be a prefix of it (the template is prefix-preserving; if
+   it is not, e.g. it drops old reasoning, this check fails and the request forks), and only the
+   new suffix is tokenized and appended (mask 0) after the exactly sampled ids. Most recent
+   segments are tried first.
+2. **Fork.** Otherwise a new segment starts from a fresh render of the full prompt (so sampled
+   text that now sits inside a rewritten prompt has mask 0 there; the earlier segment is kept).
+   Its reason:
+   - ``main``: the session's first request, or the first one with tools after only tool-less ones;
+   - ``rewrite``: shares the first message (system prompt) and the tools with an existing segment
+     (compaction, edited tool results, injected reminders, a retried request); ``parent`` is that
+     segment;
+   - ``subagent``: has tools but a different system prompt or tool set;
+   - ``auxiliary``: no tools (title generation, summaries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from legorl.engines.base import Generation
+from legorl.proxy.budgets import Budgets
+from legorl.proxy.render import ChatRenderer
+from legorl.schemas import Call, Outcome, Segment, SegmentReason, TrialRow
+
+Message = dict[str, Any]
+
+
+def new_session_id() -> str:
+    return secrets.token_urlsafe(18)
+
+
+def tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
+    return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False)
+
+
+def _calls_signature(msg: Message) -> list[tuple[str, Any]]:
+    out = []
+    for tc in msg.get("tool_calls") or []:
+        fn = tc.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            args = fn.get("arguments")
+        out.append((fn.get("name"), args))
+    return out
+
+
+def same_assistant_turn(held: Message, incoming: Message) -> bool:
+    """Whether ``incoming`` is the harness's copy of the sampled assistant turn ``held``.
+
+    Tool-call ids are unique per reply, so equal ids decide; otherwise content (whitespace-trimmed)
+    and the calls' names and parsed arguments must agree.
+    """
+    if incoming.get("role") != "assistant":
+        return False
+    held_ids = [tc.get("id") for tc in held.get("tool_calls") or []]
+    in_ids = [tc.get("id") for tc in incoming.get("tool_calls") or []]
+    if held_ids and held_ids == in_ids:
+        return True
+    if (held.get("content") or "").strip() != (incoming.get("content") or "").strip():
+        return False
+    return _calls_signature(held) == _calls_signature(incoming)
+
+
+@dataclass
+class _SegmentState:
+    reason: str
+    parent: int | None
+    tools: list[dict[str, Any]] | None
+    tools_key: str
+    first_message: Message | None
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routing: list[np.ndarray] = field(default_factory=list)
+    routing_missing: bool = False
+    messages: list[Message] = field(default_factory=list)
+    sampled_turns: set[int] = field(default_factory=set)  # indices into messages of sampled replies
+    render_text: str | None = None  # template render of ``messages``; None = cannot be extended
+    last_sampled: list[int] = field(default_factory=list)
+
+    def to_segment(self) -> Segment:
+        seg = Segment(
+            token_ids=list(self.tokens),
+            loss_mask=list(self.mask),
+            logprobs=list(self.logprobs),
+            reason=self.reason,
+            parent=self.parent,
+        )
+        if self.routing and not self.routing_missing:
+            arr = np.concatenate(self.routing, axis=0)
+            if arr.shape[0] == len(self.tokens):
+                seg.routed_experts = arr.astype(np.int16).reshape(-1).tolist()
+                seg.routing_layers = int(arr.shape[1])
+                seg.routing_top_k = int(arr.shape[2])
+        return seg
+
+
+@dataclass
+class Plan:
+    """Where a request's prompt goes and what the engine is given."""
+
+    segment: int | None  # the segment extended, or None: a new one
+    reason: str
+    parent: int | None
+    prompt_ids: list[int]
+    new_ids: list[int]
+    prompt_text: str  # the full render, generation prompt included
+    messages: list[Message]  # the request's conversation, held sampled turns substituted
+    tools: list[dict[str, Any]] | None
+    sampled_turns: set[int]
+
+
+@dataclass
+class SessionCapture:
+    """Everything a session captured, as plain data (a snapshot; the session goes on)."""
+
+    session_id: str
+    segments: list[Segment]
+    calls: list[Call]
+    messages: list[Message]
+    budget_stop: str | None
+    created_at: float
+    model: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "model": self.model,
+            "created_at": self.created_at,
+            "budget_stop": self.budget_stop,
+            "metadata": self.metadata,
+            "segments": [s.to_dict() for s in self.segments],
+            "calls": [c.to_dict() for c in self.calls],
+            "messages": self.messages,
+        }
+
+    def outcome(self) -> str:
+        """The trial outcome the proxy can tell on its own (a harness adapter knows better)."""
+        from legorl.proxy import budgets as b
+
+        return {
+            b.MAX_TURNS: Outcome.MAX_TURNS,
+            b.MAX_TOTAL_TOKENS: Outcome.BUDGET,
+            b.MAX_WALL: Outcome.TIMEOUT,
+            b.CONTEXT_OVERFLOW: Outcome.CONTEXT_OVERFLOW,
+        }.get(self.budget_stop or "", Outcome.NO_SUBMISSION)
+
+    def to_trial_row(self, **kwargs: Any) -> TrialRow:
+        """A rollouts row; ``kwargs`` override the metadata (task_id, harness, step, sample_index...)."""
+        meta = {**self.metadata, **kwargs}
+        task_id = str(meta.pop("task_id", None) or f"proxy/{self.session_id}")
+        harness = str(meta.pop("harness", None) or "external")
+        step = int(meta.pop("step", 0) or 0)
+        sample_index = int(meta.pop("sample_index", 0) or 0)
+        meta.setdefault("outcome", self.outcome())
+        meta.setdefault("model", self.model)
+        meta.setdefault("started_at", self.created_at)
+        meta.setdefault("finished_at", time.time())
+        known = set(TrialRow.__dataclass_fields__)
+        extra = {k: v for k, v in meta.items() if k in known}
+        return TrialRow.new(
+            task_id, harness, step, sample_index,
+            segments=self.segments, calls=self.calls,
+            messages=json.dumps(self.messages, ensure_ascii=False), **extra,
+        )
+
+
+class Session:
+    """One trial's capture. Requests are serialized by ``lock`` (held by the caller around a call)."""
+
+    def __init__(self, session_id: str, renderer: ChatRenderer, budgets: Budgets,
+                 metadata: dict[str, Any] | None = None, model: str | None = None):
+        self.id = session_id
+        self.renderer = renderer
+        self.budgets = budgets
+        self.metadata = dict(metadata or {})
+        self.model = model
+        self.created_at = time.time()
+        self.lock = asyncio.Lock()
+        self._mu = threading.Lock()  # guards state against capture() from other threads
+        self.segments: list[_SegmentState] = []
+        self.calls: list[Call] = []
+        self.turns = 0
+        self.budget_stop: str | None = None
+        self.final_messages: list[Message] = []
+
+    # ------------------------------------------------------------------ placing a request
+
+    def plan(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> Plan:
+        key = tools_key(tools)
+        renderer = self.renderer
+        for idx in range(len(self.segments) - 1, -1, -1):
+            seg = self.segments[idx]
+            n = len(seg.messages)
+            if seg.render_text is None or seg.tools_key != key or len(messages) <= n:
+                continue
+            if not all(
+                same_assistant_turn(seg.messages[i], messages[i]) if i in seg.sampled_turns
+                else seg.messages[i] == messages[i]
+                for i in range(n)
+            ):
+                continue
+            merged = seg.messages + messages[n:]
+            full = renderer.render(merged, tools, add_generation_prompt=True)
+            if not full.startswith(seg.render_text):
+                continue  # the template rewrites earlier turns: fork below
+            new_ids = renderer.encode(renderer.bridge(seg.last_sampled) + full[len(seg.render_text) :])
+            return Plan(idx, seg.reason, seg.parent, seg.tokens + new_ids, new_ids, full, merged, tools,
+                        set(seg.sampled_turns))
+        full = renderer.render(messages, tools, add_generation_prompt=True)
+        ids = renderer.encode(full)
+        reason, parent = self._classify(messages, tools, key)
+        return Plan(None, reason, parent, ids, ids, full, list(messages), tools, set())
+
+    def _classify(self, messages: list[Message], tools: list[dict[str, Any]] | None,
+                  key: str) -> tuple[str, int | None]:
+        if not self.segments:
+            return SegmentReason.MAIN, None
+        first = messages[0] if messages else None
+        for idx in range(len(self.segments) - 1, -1, -1):
+            seg = self.segments[idx]
+            if seg.tools_key == key and seg.first_message == first and seg.reason != SegmentReason.AUXILIARY:
+                return SegmentReason.REWRITE, idx
+        if not tools:
+            return SegmentReason.AUXILIARY, None
+        if not any(s.tools for s in self.segments):
+            return SegmentReason.MAIN, None
+        return SegmentReason.SUBAGENT, None
+
+    # ------------------------------------------------------------------ recording
+
+    def commit(self, plan: Plan, gen: Generation, reply: Message) -> int:
+        """Append a call's prompt suffix and sampled tokens; returns the segment index."""
+        renderer = self.renderer
+        messages = [*plan.messages, reply]
+        sampled_turns = {*plan.sampled_turns, len(messages) - 1}
+        render_text: str | None = renderer.render(messages, plan.tools, add_generation_prompt=False)
+        assert render_text is not None
+        if not (render_text.startswith(plan.prompt_text) and render_text.endswith(renderer.closing)):
+            render_text = None  # the template does not reproduce its own generation prompt
+        with self._mu:
+            if plan.segment is None:
+                seg = _SegmentState(
+                    reason=plan.reason, parent=plan.parent, tools=plan.tools, tools_key=tools_key(plan.tools),
+                    first_message=plan.messages[0] if plan.messages else None,
+                )
+                self.segments.append(seg)
+                index = len(self.segments) - 1
+            else:
+                index = plan.segment
+                seg = self.segments[index]
+            held = len(seg.tokens)
+            seg.tokens.extend(plan.new_ids)
+            seg.mask.extend([0] * len(plan.new_ids))
+            seg.logprobs.extend([0.0] * len(plan.new_ids))
+            seg.tokens.extend(gen.token_ids)
+            seg.mask.extend([1] * len(gen.token_ids))
+            seg.logprobs.extend(float(x) for x in gen.logprobs)
+            self._add_routing(seg, gen, held, len(plan.prompt_ids))
+            seg.messages = messages
+            seg.sampled_turns = sampled_turns
+            seg.render_text = render_text
+            seg.last_sampled = list(gen.token_ids)
+            self.turns += 1
+            if plan.reason != SegmentReason.AUXILIARY:
+                self.final_messages = messages
+        return index
+
+    @staticmethod
+    def _add_routing(seg: _SegmentState, gen: Generation, held: int, prompt_len: int) -> None:
+        arr = gen.routed_experts
+        if arr is None:
+            if seg.routing:
+                seg.routing_missing = True
+            return
+        arr = np.asarray(arr)
+        if arr.ndim != 3 or arr.shape[0] < prompt_len + len(gen.token_ids):
+            seg.routing_missing = True
+            return
+        # Rows for positions the segment already held stay as recorded when they were sampled.
+        seg.routing.append(arr[held : prompt_len + len(gen.token_ids)].astype(np.int16, copy=False))
+
+    def record_call(self, call: Call) -> None:
+        with self._mu:
+            call.index = len(self.calls)
+            self.calls.append(call)
+
+    def record_stop(self, reason: str, messages: list[Message], reply: Message) -> None:
+        with self._mu:
+            self.budget_stop = self.budget_stop or reason
+            self.final_messages = [*messages, reply]
+
+    def total_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.segments)
+
+    def capture(self) -> SessionCapture:
+        with self._mu:
+            return SessionCapture(
+                session_id=self.id,
+                segments=[s.to_segment() for s in self.segments],
+                calls=[Call.from_dict(c.to_dict()) for c in self.calls],
+                messages=json.loads(json.dumps(self.final_messages)),
+                budget_stop=self.budget_stop,
+                created_at=self.created_at,
+                model=self.model,
+                metadata=dict(self.metadata),
+            )

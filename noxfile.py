@@ -1,0 +1,33 @@
+"""Sessions run in the project's environment (`make setup` builds it; torch is CPU-only there)."""
+
+from __future__ import annotations
+
+import glob
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.default_venv_backend = "none"
+
+
+@nox.session(python=False)
+def tests(session: nox.Session) -> None:
+    """The test suite: real podman, real harnesses, a real tiny model."""
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=False)
+def lint(session: nox.Session) -> None:
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=False)
+def typecheck(session: nox.Session) -> None:
+    session.run("mypy", "legorl", "stages", "cli")
+
+
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """Each hot path's benchmark; each prints its ratio against the natural alternative."""
+    for script in sorted(glob.glob("benchmarks/*.py")):
+        session.run("python", script, *session.posargs)

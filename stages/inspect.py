@@ -1,0 +1,135 @@
+"""``legorl inspect``: what a run directory (or one dataset folder) holds.
+
+The JSON form is for scripts; its keys are stable:
+
+``{"path": str, "datasets": [{"name", "kind", "path", "files", "rows", "schema_versions",
+"commands", "duplicate_keys", "temp_files", "breakdown"}], "errors": [str]}``
+
+``breakdown`` depends on the kind: tasks ``{"repos": {repo: n}}``; rollouts ``{"outcomes",
+"harnesses", "steps", "infra_failures", "sampled_tokens", "segments"}``; grades ``{"statuses",
+"resolved", "reward_mean", "infra_failures"}``; metrics ``{"steps", "keys", "last": {key: value}}``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+
+from legorl import shards
+from legorl.errors import ShardError
+from legorl.paths import RunDir
+from legorl.schemas import Kind
+
+# Where each kind lives inside a run directory.
+RUN_DATASETS: tuple[tuple[str, Kind], ...] = (
+    ("tasks", Kind.TASKS),
+    ("rollouts", Kind.ROLLOUTS),
+    ("grades", Kind.GRADES),
+    ("train/metrics", Kind.METRICS),
+    ("eval/rollouts", Kind.ROLLOUTS),
+    ("eval/grades", Kind.GRADES),
+    ("proxy", Kind.ROLLOUTS),
+)
+
+
+def detect_kind(folder: Path) -> Kind | None:
+    """The kind of a dataset folder, from its first part file's metadata."""
+    for f in shards.part_files(folder):
+        info = shards.file_info(f)
+        if info.kind in set(Kind):
+            return Kind(info.kind)
+        raise ShardError(f, "not a legorl shard (no legorl metadata)")
+    return None
+
+
+def _counts(values: list[Any]) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(Counter(values).items(), key=lambda kv: str(kv[0]))}
+
+
+def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
+    t = dataset.table
+    if dataset.kind == Kind.TASKS:
+        return {"repos": _counts(t.column("repo").to_pylist())}
+    if dataset.kind == Kind.ROLLOUTS:
+        segments = t.column("segments")
+        flat = pc.list_flatten(segments)
+        sampled = 0
+        if len(flat):
+            sampled = int(pc.sum(pc.list_flatten(flat.combine_chunks().field("loss_mask"))).as_py() or 0)
+        return {
+            "outcomes": _counts(t.column("outcome").to_pylist()),
+            "harnesses": _counts(t.column("harness").to_pylist()),
+            "steps": _counts(t.column("step").to_pylist()),
+            "infra_failures": int(pc.sum(t.column("infra_failure")).as_py() or 0),
+            "sampled_tokens": sampled,
+            "segments": len(flat),
+        }
+    if dataset.kind == Kind.GRADES:
+        reward = pc.mean(t.column("reward")).as_py() if t.num_rows else None
+        return {
+            "statuses": _counts(t.column("status").to_pylist()),
+            "resolved": int(pc.sum(pc.fill_null(t.column("resolved"), False)).as_py() or 0),
+            "reward_mean": reward,
+            "infra_failures": int(pc.sum(t.column("infra_failure")).as_py() or 0),
+        }
+    steps = sorted(set(t.column("step").to_pylist()))
+    last: dict[str, Any] = {}
+    if steps:
+        latest = t.filter(pc.equal(t.column("step"), steps[-1]))
+        for key, harness, value in zip(
+            latest.column("key").to_pylist(), latest.column("harness").to_pylist(), latest.column("value").to_pylist(),
+            strict=True,
+        ):
+            last[key if harness is None else f"{key}[{harness}]"] = value
+    return {"steps": len(steps), "keys": len(set(t.column("key").to_pylist())), "last": dict(sorted(last.items()))}
+
+
+def summarize_dataset(name: str, folder: Path, kind: Kind) -> dict[str, Any]:
+    dataset = shards.read(folder, kind)
+    infos = [shards.file_info(f) for f in dataset.files]
+    return {
+        "name": name,
+        "kind": str(kind),
+        "path": str(folder),
+        "files": len(dataset.files),
+        "rows": dataset.table.num_rows,
+        "schema_versions": sorted({i.schema_version for i in infos if i.schema_version is not None}),
+        "commands": sorted({i.command for i in infos if i.command})[:5],
+        "duplicate_keys": dataset.duplicates,
+        "temp_files": len(list(folder.glob(".*.parquet.tmp"))),
+        "breakdown": _breakdown(dataset),
+    }
+
+
+def inspect_path(path: Path) -> dict[str, Any]:
+    """Summarise a run directory or a single dataset folder. Unreadable datasets are reported in
+    ``errors`` (one line each, naming the file) rather than stopping the whole summary."""
+    path = Path(path)
+    if not path.exists():
+        raise ShardError(path, "no such run directory or dataset folder")
+    found: list[tuple[str, Path, Kind]] = []
+    errors: list[str] = []
+    if shards.part_files(path):
+        try:
+            kind = detect_kind(path)
+        except ShardError as exc:
+            errors.append(str(exc))
+        else:
+            if kind is not None:
+                found.append((path.name, path, kind))
+    else:
+        run = RunDir.at(path)
+        for name, kind in RUN_DATASETS:
+            folder = run.root / name
+            if shards.part_files(folder):
+                found.append((name, folder, kind))
+    datasets = []
+    for name, folder, kind in found:
+        try:
+            datasets.append(summarize_dataset(name, folder, kind))
+        except ShardError as exc:
+            errors.append(str(exc))
+    return {"path": str(path), "datasets": datasets, "errors": errors}

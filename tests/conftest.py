@@ -1,0 +1,34 @@
+"""Shared fixtures: the tiny offline models every test can use, built once per cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _model(kind: str, moe: bool) -> Path:
+    from legorl.models import init_model
+    from legorl.paths import cache_dir
+
+    out = cache_dir() / "test-models" / kind
+    if not (out / "config.json").exists():
+        init_model(out, moe=moe, size="tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """A ~5M-parameter Qwen3 model + byte-level BPE tokenizer + Qwen chat template, random weights."""
+    return _model("dense", moe=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model() -> Path:
+    """A tiny Qwen3-MoE model (8 experts, top-2) with the same tokenizer."""
+    return _model("moe", moe=True)
