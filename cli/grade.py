@@ -1,14 +1,81 @@
-"""`legorl grade`."""
+"""`legorl grade`: grade rollouts (or gold patches, or SWE-bench predictions) against hidden tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from legorl.cli.common import not_implemented
+from legorl.cli.common import JsonOption, OptionalRunOption, console, fail, print_json
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("grade", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def grade_command() -> None:
-        """Not implemented yet."""
-        not_implemented("grade")
+    @app.command("grade")
+    def grade_command(
+        run: OptionalRunOption = None,
+        gold: Annotated[bool, typer.Option("--gold", help="Grade each task's own patch (checks the task set).")] = False,
+        predictions: Annotated[Path | None, typer.Option(
+            "--predictions", help="SWE-bench predictions file: JSON/JSONL of {instance_id, model_patch}.")] = None,
+        concurrency: Annotated[int, typer.Option(help="Grading containers at once.")] = 2,
+        timeout: Annotated[float, typer.Option(help="Seconds the hidden tests may run.")] = 600.0,
+        image: Annotated[str | None, typer.Option(help="Image for tasks without one (default: the base image).")] = None,
+        tasks: Annotated[Path | None, typer.Option("--tasks", help="Tasks dataset (default: RUN/tasks).")] = None,
+        rollouts: Annotated[Path | None, typer.Option("--rollouts", help="Rollouts dataset (default: RUN/rollouts).")] = None,
+        out: Annotated[Path | None, typer.Option("--out", help="Grades dataset (default: RUN/grades).")] = None,
+        json_out: JsonOption = False,
+    ) -> None:
+        """Grade patches in fresh containers: hidden tests, SWE-bench's rules; resumable."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from legorl.paths import RunDir
+        from legorl.stages import grade as stage
+
+        if gold and predictions is not None:
+            fail("--gold and --predictions exclude each other")
+        if run is None and (tasks is None or out is None or (rollouts is None and not gold and predictions is None)):
+            fail("give --run, or --tasks and --out (and --rollouts unless --gold/--predictions)")
+        rd = RunDir.at(run) if run is not None else None
+        tasks_dir = tasks or (rd.tasks if rd else Path())
+        out_dir = out or (rd.grades if rd else Path())
+        from legorl import shards
+        from legorl.schemas import Kind
+
+        task_map = {t.instance_id: t for t in shards.read_rows(tasks_dir, Kind.TASKS)}
+        if not task_map:
+            fail(f"{tasks_dir}: no tasks (run `legorl tasks import` first)")
+        infra_rollouts = 0
+        if gold:
+            jobs = stage.gold_jobs(task_map)
+        elif predictions is not None:
+            jobs = stage.prediction_jobs(predictions, task_map)
+        else:
+            jobs, infra_rollouts = stage.rollout_jobs(rollouts or (rd.rollouts if rd else Path()))
+
+        progress = Progress(TextColumn("grading"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.fields[last]}"), console=console, transient=json_out)
+        bar = progress.add_task("grade", total=0, last="")
+
+        def on_start(todo: int, skipped: int) -> None:
+            progress.update(bar, total=todo)
+            if skipped and not json_out:
+                console.print(f"{skipped} trial(s) already graded: skipped", highlight=False)
+
+        def on_done(row: object) -> None:
+            r = row  # GradeRow
+            progress.update(bar, advance=1, last=f"{r.task_id}: {r.status} {r.reward}")  # type: ignore[attr-defined]
+
+        with progress:
+            summary = stage.grade_stage(
+                tasks_dir, out_dir, jobs, concurrency=concurrency, timeout=timeout, image=image,
+                run_label=str(run) if run else None, on_start=on_start, on_done=on_done,
+            )
+        result = summary.as_dict()
+        result["infra_rollouts_skipped"] = infra_rollouts
+        if json_out:
+            print_json(result)
+            return
+        statuses = ", ".join(f"{k} {v}" for k, v in sorted(summary.by_status.items())) or "nothing new"
+        console.print(
+            f"graded {summary.graded} ({statuses}); resolved {summary.resolved}; mean reward {summary.mean_reward}; "
+            f"{summary.mean_seconds} s per grade; wall {summary.wall_s:.1f} s -> {out_dir}", highlight=False)

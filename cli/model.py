@@ -1,17 +1,78 @@
-"""`legorl model ...`."""
+"""`legorl model init|warmup`."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from legorl.cli.common import not_implemented
+from legorl.cli.common import JsonOption, console, fail, print_json
 
 sub = typer.Typer(help="Offline models: build a tiny model, warm it up.", no_args_is_help=True)
 
 
-@sub.callback(invoke_without_command=True, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def _not_yet(ctx: typer.Context) -> None:
-    not_implemented("model")
+@sub.command("init")
+def init_command(
+    out: Annotated[Path, typer.Argument(help="Directory to write the model into.")],
+    moe: Annotated[bool, typer.Option("--moe", help="Qwen3-MoE (8 experts, top-2) instead of dense Qwen3.")] = False,
+    size: Annotated[str, typer.Option(help="tiny (~5 M parameters) or small (~26 M).")] = "tiny",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a model already in OUT.")] = False,
+    json_out: JsonOption = False,
+) -> None:
+    """Build a byte-level BPE tokenizer, Qwen chat template and random-weight model (seconds, offline)."""
+    from legorl.models import init_model, model_info
+
+    if (out / "config.json").exists() and not force:
+        fail(f"{out} already holds a model (config.json); pass --force to overwrite")
+    t0 = time.perf_counter()
+    with console.status(f"building {'MoE' if moe else 'dense'} {size} model in {out} ..."):
+        init_model(out, moe=moe, size=size, seed=seed)
+    info = model_info(out) | {"path": str(out), "seconds": round(time.perf_counter() - t0, 2)}
+    if json_out:
+        print_json(info)
+        return
+    console.print(
+        f"[green]built[/] {out}: {'Qwen3-MoE' if moe else 'Qwen3'} {size}, "
+        f"{info['parameters'] / 1e6:.1f} M parameters, random weights, in {info['seconds']:.1f} s",
+        highlight=False,
+    )
+    console.print(f"warm it up with: legorl model warmup {out}", highlight=False)
+
+
+@sub.command("warmup")
+def warmup_command(
+    model_dir: Annotated[Path, typer.Argument(help="A model directory built by `legorl model init`.")],
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 200,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 256,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-3,
+    seed: Annotated[int, typer.Option(help="Data-order seed.")] = 0,
+    json_out: JsonOption = False,
+) -> None:
+    """Train the model briefly on local code and tool-call chats so its distributions are not uniform."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from legorl.models import warmup
+
+    if not (model_dir / "config.json").exists():
+        fail(f"{model_dir}: not a model directory (no config.json); build one with `legorl model init`")
+    with Progress(TextColumn("warmup"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
+                  TimeRemainingColumn(), console=console, disable=json_out) as progress:
+        task = progress.add_task("warmup", total=steps, loss="-")
+        stats = warmup(model_dir, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+                       progress=lambda i, loss: progress.update(task, completed=i, loss=f"{loss:.3f}"))
+    if json_out:
+        print_json(stats | {"path": str(model_dir)})
+        return
+    console.print(
+        f"[green]warmed up[/] {model_dir}: loss {stats['first_loss']:.3f} -> {stats['last_loss']:.3f} "
+        f"over {int(stats['tokens'])} tokens in {stats['seconds']:.0f} s "
+        f"({stats['tokens'] / stats['seconds']:.0f} tokens/s)",
+        highlight=False,
+    )
 
 
 def register(app: typer.Typer) -> None:

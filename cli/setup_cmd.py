@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
             report.steps.append(result)
             if not json_out:
                 colour = _STYLE[result.status]
-                console.print(f"[{colour}]{result.status:>7}[/]  {result.name}: {result.detail}", highlight=False)
+                console.print(f"[{colour}]{result.status:>7}[/]  {result.name}: {result.detail}", highlight=False, soft_wrap=True)
             return result
 
         tools = step(host.ensure_tools)

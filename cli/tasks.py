@@ -1,17 +1,88 @@
-"""`legorl tasks ...`."""
+"""`legorl tasks import|build|list`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from legorl.cli.common import not_implemented
+from legorl.cli.common import JsonOption, OptionalRunOption, RunOption, console, fail, print_json
 
 sub = typer.Typer(help="Task sets: import SWE-bench-style data, build tasks offline.", no_args_is_help=True)
 
 
-@sub.callback(invoke_without_command=True, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def _not_yet(ctx: typer.Context) -> None:
-    not_implemented("tasks")
+@sub.command("import")
+def import_command(
+    source: Annotated[str, typer.Argument(help="A Hugging Face dataset id, or a local .parquet/.jsonl/.json file.")],
+    run: RunOption,
+    split: Annotated[str, typer.Option(help="Dataset split (Hub datasets only).")] = "test",
+    limit: Annotated[int | None, typer.Option(help="Import at most this many rows.")] = None,
+    instance_id: Annotated[list[str] | None, typer.Option("--id", help="Import only these instance ids.")] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Import SWE-bench-schema task rows into RUN/tasks (rows already there unchanged are skipped)."""
+    from legorl.paths import RunDir
+    from legorl.stages.tasks import import_stage
+
+    result = import_stage(source, RunDir.at(run).tasks, split=split, limit=limit, instance_ids=instance_id)
+    if json_out:
+        print_json({"source": source, "written": result.written, "unchanged": result.unchanged, "file": result.path})
+        return
+    console.print(f"imported {len(result.written)} task(s) from {source} into {RunDir.at(run).tasks}"
+                  f" ({len(result.unchanged)} already there)", highlight=False)
+
+
+@sub.command("build")
+def build_command(
+    packages: Annotated[list[str], typer.Argument(help="Libraries as NAME==VERSION (their sdists must ship tests).")],
+    out: Annotated[Path, typer.Option("--out", help="Where the bundles and tasks.parquet go.")],
+    run: OptionalRunOption = None,
+    per_library: Annotated[int, typer.Option(help="Tasks to keep per library.")] = 8,
+    attempts: Annotated[int, typer.Option(help="Mutations to try per library at most.")] = 60,
+    concurrency: Annotated[int, typer.Option(help="Mining / validation containers at once.")] = 2,
+    timeout: Annotated[float, typer.Option(help="Seconds per test-suite run.")] = 60.0,
+    seed: Annotated[int, typer.Option(help="Seed of the mutation sampler.")] = 0,
+    image: Annotated[str | None, typer.Option(help="Image to mine and validate in (default: the base image).")] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Build SWE-smith-style tasks from real libraries, offline; with --run, import them too."""
+    from legorl.paths import RunDir
+    from legorl.sandbox.reaper import reap
+    from legorl.stages.tasks import build_stage
+    from legorl.tasks.builder import BuildOptions
+
+    reap()
+    options = BuildOptions(per_library=per_library, attempts=attempts, concurrency=concurrency, timeout=timeout,
+                           seed=seed, image=image, log=lambda s: console.print(s, highlight=False))
+    tasks = build_stage(packages, out, options, RunDir.at(run).tasks if run else None)
+    if not tasks:
+        fail("no task survived validation")
+    if json_out:
+        print_json({"out": str(out), "tasks": [t.instance_id for t in tasks]})
+        return
+    console.print(f"built {len(tasks)} task(s) into {out}", highlight=False)
+
+
+@sub.command("list")
+def list_command(run: RunOption, json_out: JsonOption = False) -> None:
+    """List the tasks of RUN/tasks."""
+    from rich.table import Table
+
+    from legorl.paths import RunDir
+    from legorl.stages.tasks import list_tasks
+
+    tasks = list_tasks(RunDir.at(run).tasks)
+    if json_out:
+        print_json([{"instance_id": t.instance_id, "repo": t.repo, "image": t.image, "FAIL_TO_PASS": len(t.FAIL_TO_PASS),
+                     "PASS_TO_PASS": len(t.PASS_TO_PASS)} for t in tasks])
+        return
+    table = Table("instance_id", "repo", "F2P", "P2P", "image")
+    for t in tasks:
+        table.add_row(t.instance_id, t.repo or "", str(len(t.FAIL_TO_PASS)), str(len(t.PASS_TO_PASS)),
+                      t.image or "(base)")
+    console.print(table)
+    console.print(f"{len(tasks)} task(s)")
 
 
 def register(app: typer.Typer) -> None:

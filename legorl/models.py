@@ -175,7 +175,9 @@ def init_model(out_dir: Path, *, moe: bool = False, size: str = "tiny", seed: in
     """Build tokenizer + chat template + random-weight model into ``out_dir`` (seconds, no network)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     out_dir = Path(out_dir)
     if size not in SIZES:
         raise ConfigError(f"unknown model size {size!r}: choose one of {', '.join(SIZES)}")
@@ -270,7 +272,9 @@ def warmup(
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model_dir = Path(model_dir)
     if steps < 1:
         raise ConfigError(f"warmup steps must be >= 1, got {steps}")
@@ -320,7 +324,7 @@ def warmup(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        last = float(loss)
+        last = float(loss.detach())
         if step == 0:
             first = last
         if progress is not None:

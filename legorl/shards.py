@@ -381,7 +381,7 @@ class Dataset:
 
     def rows(self) -> list[Any]:
         cls = ROW_CLASSES[self.kind]
-        return [cls.from_dict(d) for d in self.table.to_pylist()]  # type: ignore[attr-defined]
+        return [cls.from_dict(d) for d in self.table.to_pylist()]
 
 
 def _key_array(kind: Kind, table: pa.Table) -> list[Any]:

@@ -22,6 +22,8 @@ same unless told ``ignore_eos``) or any of ``stop_token_ids``; the stop token is
 from __future__ import annotations
 
 import asyncio
+import collections
+import inspect
 import queue
 import secrets
 import threading
@@ -169,6 +171,9 @@ class EmbeddedEngine:
         eos = getattr(self.model.generation_config, "eos_token_id", None) or cfg.eos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.routing_shape = routing_shape(self.model)
+        # transformers >= 5.2x names the cache argument `cache`; older versions `past_key_values`.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         if getattr(cfg, "use_sliding_window", False):
             self.max_batch = 1  # sliding-window caches cannot be left-padded and merged
         self.stats = EngineStats()
@@ -261,44 +266,37 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------------------ worker thread
 
     def _run(self) -> None:
+        """The worker loop. ``pending`` is FIFO: a weight load waits for every request queued before
+        it to finish (on the old weights) and holds every request queued after it."""
         batch = _Batch()
-        waiting: list[_Request] = []
-        loads: list[tuple[Path, Future[None]]] = []
+        pending: collections.deque[_Request | tuple[str, Path, Future[None]]] = collections.deque()
         with torch.inference_mode():
             while True:
-                # Collect new work: block only when there is nothing to decode.
-                block = not batch.rows and not waiting and not loads
-                items: list[_Request | tuple[str, Path, Future[None]] | None] = []
+                # Collect new work: block only when there is nothing to do.
                 try:
-                    items.append(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+                    item = self._inbox.get(timeout=0.5) if not (batch.rows or pending) else self._inbox.get_nowait()
                     while True:
-                        items.append(self._inbox.get_nowait())
+                        if item is None:
+                            self._shutdown(batch, pending)
+                            return
+                        pending.append(item)
+                        item = self._inbox.get_nowait()
                 except queue.Empty:
                     pass
-                for it in items:
-                    if it is None:
-                        self._fail_all(batch.rows + waiting, LegorlError("engine closed"))
-                        for _, fut in loads:
-                            fut.set_exception(LegorlError("engine closed"))
-                        return
-                    if isinstance(it, tuple):
-                        loads.append((it[1], it[2]))
-                    else:
-                        waiting.append(it)
-                if loads and not batch.rows:  # drained: swap weights before admitting anyone
-                    for path, fut in loads:
-                        try:
-                            self.model = self._load(path)
-                            self.stats.loads += 1
-                            fut.set_result(None)
-                        except Exception as e:  # keep serving the old weights
-                            fut.set_exception(e if isinstance(e, LegorlError) else LegorlError(f"{path}: {e}"))
-                    loads.clear()
                 try:
-                    while waiting and not loads and len(batch.rows) < self.max_batch:
-                        req = waiting.pop(0)
-                        if not req.cancelled:
-                            self._prefill(req, batch)
+                    while pending:
+                        head = pending[0]
+                        if isinstance(head, tuple):
+                            if batch.rows:
+                                break  # drain first
+                            pending.popleft()
+                            self._swap_weights(head[1], head[2])
+                        elif len(batch.rows) < self.max_batch:
+                            pending.popleft()
+                            if not head.cancelled:
+                                self._prefill(head, batch)
+                        else:
+                            break
                     if batch.rows:
                         self._decode_step(batch)
                 except Exception as e:  # a broken step fails its requests, not the engine
@@ -306,24 +304,41 @@ class EmbeddedEngine:
                     self._fail_all(batch.rows, err)
                     batch.clear()
 
+    def _swap_weights(self, path: Path, fut: Future[None]) -> None:
+        try:
+            self.model = self._load(path)
+            self.stats.loads += 1
+            fut.set_result(None)
+        except Exception as e:  # keep serving the old weights
+            fut.set_exception(e if isinstance(e, LegorlError) else LegorlError(f"{path}: {e}"))
+
+    def _shutdown(self, batch: _Batch, pending: collections.deque[_Request | tuple[str, Path, Future[None]]]) -> None:
+        err = LegorlError("engine closed")
+        self._fail_all(batch.rows, err)
+        for it in pending:
+            if isinstance(it, tuple):
+                it[2].set_exception(err)
+            else:
+                it.emit(err)
+
     @staticmethod
     def _fail_all(reqs: list[_Request], err: BaseException) -> None:
         for r in reqs:
             r.emit(err)
 
-    def _forward(self, ids: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, Any, np.ndarray | None]:
+    def _forward(self, ids: torch.Tensor, cache: Any, **kw: Any) -> tuple[torch.Tensor, Any, np.ndarray | None]:
+        kw[self._cache_kwarg] = cache
         with capture_routing(self.model) as cap:
             out = self.model(input_ids=ids, use_cache=True, **kw)
         routing = cap.take() if self.routing_shape else None
-        return out.logits[:, -1, :], out.past_key_values, routing
+        new_cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        return out.logits[:, -1, :], new_cache, routing
 
     def _prefill(self, req: _Request, batch: _Batch) -> None:
         from transformers import DynamicCache
 
         ids = torch.tensor([req.prompt], device=self.device)
-        logits, cache, routing = self._forward(
-            ids, past_key_values=DynamicCache(config=self.model.config), logits_to_keep=1
-        )
+        logits, cache, routing = self._forward(ids, cache=DynamicCache(config=self.model.config), logits_to_keep=1)
         self.stats.prefills += 1
         if routing is not None:
             req.routing.append(routing)
@@ -337,7 +352,7 @@ class EmbeddedEngine:
             return
         ids, mask, pos = batch.step_inputs(self.device)
         logits, cache, routing = self._forward(
-            ids, attention_mask=mask, position_ids=pos, past_key_values=batch.cache
+            ids, attention_mask=mask, position_ids=pos, cache=batch.cache
         )
         batch.cache = cache
         batch.mask = mask
@@ -361,18 +376,15 @@ class EmbeddedEngine:
     def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[list[int], list[float]]:
         temp, top_k, top_p = _params_tensors([r.params for r in reqs], logits.device)
         logp = process_logits(logits, temp, top_k, top_p)
-        u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in reqs]).to(logits.device)
-        cdf = torch.cumsum(logp.double().exp(), dim=-1)
-        sampled = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-        sampled = sampled.clamp(max=logp.shape[1] - 1)
+        # Gumbel-max (argmax of logp - log Exp(1)) with per-request noise: the draw is an exact
+        # sample of softmax(logp), and unlike an inverse-CDF draw it only changes under float noise
+        # (batched vs alone: ~1e-6) when the two best perturbed scores nearly tie.
+        v = logp.shape[1]
+        noise = torch.stack([torch.empty(v).exponential_(generator=r.generator) for r in reqs]).to(logp.device)
+        sampled = (logp - noise.log()).argmax(dim=-1)
         greedy = logp.argmax(dim=-1)
         tok = torch.where(temp > 0, sampled, greedy)
         picked = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
-        # Float rounding at the very top of the CDF can land on a removed token: take the argmax then.
-        bad = torch.isinf(picked)
-        if bool(bad.any()):
-            tok = torch.where(bad, greedy, tok)
-            picked = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
         return tok.tolist(), picked.tolist()
 
     def _accept(self, req: _Request, tok: int, lp: float) -> bool:

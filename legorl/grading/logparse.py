@@ -134,11 +134,19 @@ class TestLog:
 
 
 def split_log(log: str) -> TestLog:
-    exit_match = _EXIT_RE.search(log)
-    exit_code = int(exit_match.group(1)) if exit_match else None
-    if START_MARKER in log and END_MARKER in log.split(START_MARKER, 1)[1]:
-        body = log.split(START_MARKER, 1)[1].split(END_MARKER, 1)[0]
-        return TestLog(body, exit_code, True)
+    """The test output between the markers, and the recorded exit code.
+
+    The output starts after the *first* start marker and ends at the *last* end marker, and the
+    exit code is the *last* one recorded: the grading script prints those after the test command
+    has ended, so markers the code under test prints itself cannot cut the real output short.
+    (SWE-bench splits at the first end marker; on logs without forged markers the two agree.)
+    """
+    codes = _EXIT_RE.findall(log)
+    exit_code = int(codes[-1]) if codes else None
+    if START_MARKER in log:
+        body = log.split(START_MARKER, 1)[1]
+        if END_MARKER in body:
+            return TestLog(body.rsplit(END_MARKER, 1)[0], exit_code, True)
     return TestLog(log, exit_code, False)
 
 

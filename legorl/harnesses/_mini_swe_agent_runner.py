@@ -28,7 +28,7 @@ def main(config_path: str) -> int:
         from minisweagent.environments.docker import DockerEnvironment
         from minisweagent.models.litellm_model import LitellmModel
 
-        class TrialContainer(DockerEnvironment):  # type: ignore[misc]
+        class TrialContainer(DockerEnvironment):
             """mini-swe-agent's docker environment on a container legorl owns."""
 
             def _start_container(self) -> None:

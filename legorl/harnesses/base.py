@@ -13,9 +13,10 @@ for the Anthropic API), the task's problem statement and the repository at ``/te
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import time
@@ -244,10 +245,8 @@ def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcR
 def kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     """TERM the process group, then KILL it after ``grace_s``."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
         try:
             proc.wait(timeout=wait)
             # the leader is gone, but children in the group may linger: KILL them too
@@ -269,13 +268,23 @@ def run_in_sandbox(sandbox: Sandbox, launch: Launch, timeout_s: float, workdir: 
     return ProcResult(res.exit_code, res.timed_out, res.duration_s, res.output[-4000:])
 
 
-def write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def json_lines(path: Path) -> list[dict[str, object]]:
+    """The JSON objects among the lines of a log (harnesses that print JSONL events mix in other text)."""
+    events: list[dict[str, object]] = []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return events
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                events.append(obj)
+    return events
 
 
 # --------------------------------------------------------------------------- outcomes

@@ -13,6 +13,7 @@ import json
 import os
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,7 @@ def build_report(
     for t in trials:
         outcomes[t.harness][stats.category(t, snap.grades.get(t.trial_id))] += 1
     beh = {row["harness"]: {k: v for k, v in row.items() if k not in ("step", "harness")}
-           for row in behaviour.aggregate(
-               _restep(t.behaviour) for t in trials)}
+           for row in behaviour.aggregate(_restep(t.behaviour) for t in trials)}
     models = sorted({t.model for t in trials if t.model})
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
@@ -80,8 +80,6 @@ def build_report(
 
 def _restep(b: behaviour.TrialBehaviour) -> behaviour.TrialBehaviour:
     """The report pools its steps: aggregate everything under one step."""
-    from dataclasses import replace
-
     return replace(b, step=0)
 
 

@@ -53,7 +53,7 @@ def tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
     return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False)
 
 
-def _calls_signature(msg: Message) -> list[tuple[str, Any]]:
+def _calls_signature(msg: Message) -> list[tuple[Any, Any]]:
     out = []
     for tc in msg.get("tool_calls") or []:
         fn = tc.get("function") or {}
@@ -299,8 +299,11 @@ class Session:
         if arr.ndim != 3 or arr.shape[0] < prompt_len + len(gen.token_ids):
             seg.routing_missing = True
             return
-        # Rows for positions the segment already held stay as recorded when they were sampled.
-        seg.routing.append(arr[held : prompt_len + len(gen.token_ids)].astype(np.int16, copy=False))
+        # Rows for positions the segment already held stay as recorded when they were sampled, except
+        # the previous call's last sampled token: it was never fed forward then (row of -1) and is now.
+        if seg.routing and held > 0 and bool((seg.routing[-1][-1] < 0).all()):
+            seg.routing[-1][-1] = arr[held - 1]
+        seg.routing.append(np.array(arr[held : prompt_len + len(gen.token_ids)], dtype=np.int16))
 
     def record_call(self, call: Call) -> None:
         with self._mu:

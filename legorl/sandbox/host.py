@@ -93,6 +93,13 @@ def _ulimit(kind: int, want: int) -> int:
     return want if hard == resource.RLIM_INFINITY else min(want, hard)
 
 
+def _pid_max() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 32768
+
+
 def containers_conf_text() -> str:
     """runc (crun fails on these hosts' hybrid cgroups) and ulimits no higher than the hard limits.
 
@@ -100,7 +107,9 @@ def containers_conf_text() -> str:
     container asking for more than the hard limit never starts.
     """
     nofile = _ulimit(resource.RLIMIT_NOFILE, 65536)
-    nproc = _ulimit(resource.RLIMIT_NPROC, 65536)
+    # nproc counts every process of the uid on the whole host (rootful: all of root's), so it must
+    # be high; but runc cannot set it above pid_max here (measured: 32768 works, 32769 does not).
+    nproc = min(_ulimit(resource.RLIMIT_NPROC, 65536), _pid_max())
     lines = [
         "# Written by `legorl setup`; legorl points CONTAINERS_CONF here for every podman call.",
         "[containers]",

@@ -10,32 +10,38 @@ A container runs ``sleep infinity`` under ``--init`` (catatonit as PID 1, so rem
 zombies are reaped); every command is a ``podman exec``. A command's timeout is enforced *inside*
 the container by coreutils ``timeout``, which runs the command in its own process group and
 signals the whole group (TERM, then KILL 2 s later) — killing the ``podman exec`` client alone
-would leave the process running in the container. A host-side timeout a little later kills that
-process group by its id as a last resort.
+would leave the process running in the container. Every process a command starts carries a unique
+``LEGORL_EXEC`` token in its environment; after a timeout (or if ``podman exec`` itself has not
+returned a little later) the host kills every process with that token, including any that left
+the process group.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import os
 import re
 import signal
 import subprocess
+import tarfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from legorl.errors import LegorlError
 from legorl.sandbox.base import ExecResult, SandboxSpec
 from legorl.sandbox.host import podman_env, podman_path, require_image, run_podman
 from legorl.sandbox.reaper import owner_labels
+from legorl.sandbox.service import Service, get_service
 
 KILL_GRACE_S = 2.0  # TERM → KILL inside the container
 HOST_GRACE_S = 10.0  # how much longer the host waits before killing the group itself
-_PIDFILE_DIR = "/tmp/.legorl-exec"
+_TOKEN = "LEGORL_EXEC"
 
 
 class SandboxError(LegorlError):
@@ -104,7 +110,10 @@ def _container_name(labels: dict[str, str]) -> str:
 class PodmanBackend:
     """Creates sandboxes: ``with PodmanBackend().create(spec) as box: box.exec("pytest")``."""
 
-    def __init__(self) -> None:
+    def __init__(self, api: Literal["auto", "cli"] = "auto") -> None:
+        """``api="auto"``: exec and file copies go through a private podman API service when one
+        can be started (faster per call), else the CLI; ``"cli"``: the CLI for everything."""
+        self.api = api
         self._images_checked: set[str] = set()
         self._lock = threading.Lock()
 
@@ -141,7 +150,7 @@ class PodmanBackend:
                 self._images_checked.add(spec.image)
         _install_handlers()
         name = _container_name(spec.labels)
-        box = PodmanSandbox(name, spec)
+        box = PodmanSandbox(name, spec, get_service() if self.api == "auto" else None)
         with _live_lock:
             _live[name] = box  # registered before it exists, so a signal mid-create still removes it
         proc = run_podman(self.run_args(spec, name), check=False, timeout=300)
@@ -155,10 +164,12 @@ class PodmanBackend:
 class PodmanSandbox:
     """One running container. Use it as a context manager, or call :meth:`remove`."""
 
-    def __init__(self, name: str, spec: SandboxSpec) -> None:
+    def __init__(self, name: str, spec: SandboxSpec, service: Service | None = None) -> None:
         self.name = name
         self.spec = spec
         self.testbed_commit: str | None = None  # set by legorl.sandbox.testbed when it builds /testbed
+        self.host_grace_s = HOST_GRACE_S
+        self._service = service
         self._removed = False
 
     def __enter__(self) -> PodmanSandbox:
@@ -174,7 +185,8 @@ class PodmanSandbox:
 
     def exec_argv(self, argv: list[str], *, workdir: str | None = None, env: dict[str, str] | None = None,
                   user: str | None = None, interactive: bool = False) -> list[str]:
-        """The full ``podman exec`` command line (for callers that stream or pipe themselves)."""
+        """The full ``podman exec`` command line (for callers that stream or pipe themselves);
+        run it with ``env=legorl.sandbox.podman_env()``."""
         cmd = [podman_path(), "exec"]
         if interactive:
             cmd.append("-i")
@@ -186,67 +198,120 @@ class PodmanSandbox:
             cmd += ["-e", f"{key}={value}"]
         return [*cmd, self.name, *argv]
 
+    def _run(self, argv: list[str], *, workdir: str | None = None, env: dict[str, str] | None = None,
+             user: str | None = None, stdin: bytes | None = None, timeout: float | None = None,
+             ) -> tuple[int, bytes, bytes]:
+        """One exec: (exit code, stdout, stderr), through the API service when there is one."""
+        if self._service is not None and stdin is None:
+            from podman.errors import APIError, NotFound
+
+            try:
+                code, (out, err) = self._service.container(self.name).exec_run(
+                    argv, demux=True, workdir=workdir, user=user, environment=env or {})
+            except NotFound as exc:
+                raise SandboxError(f"{self.name}: container is gone") from exc
+            except APIError as exc:
+                raise SandboxError(f"{self.name}: exec failed: {exc}") from exc
+            except OSError as exc:  # the service died: this process uses the CLI from now on
+                self._service = None
+                raise SandboxError(f"{self.name}: lost the podman API service: {exc}") from exc
+            return (code if code is not None else -1), out or b"", err or b""
+        proc = subprocess.run(self.exec_argv(argv, workdir=workdir, env=env, user=user, interactive=stdin is not None),
+                              input=stdin, capture_output=True, env=podman_env(), timeout=timeout)
+        return proc.returncode, proc.stdout, proc.stderr
+
     def exec(
         self, command: str | list[str], timeout: float | None = None, workdir: str | None = None,
         env: dict[str, str] | None = None, user: str | None = None, stdin: bytes | None = None,
     ) -> ExecResult:
         """Run a command (a string goes through ``bash -lc``), stdout and stderr interleaved.
 
-        With a timeout, the command and everything it started in its process group are killed
-        inside the container when it expires, and the result has ``timed_out=True``.
+        With a timeout, the command and everything it started are killed inside the container
+        when it expires, and the result has ``timed_out=True``.
         """
         argv = ["bash", "-lc", command] if isinstance(command, str) else list(command)
-        token = uuid.uuid4().hex[:12]
+        token = uuid.uuid4().hex[:16]
         if timeout is not None:
-            # timeout(1) makes itself a process-group leader and signals the whole group on expiry;
-            # its pid (= the group id) goes to a file so the host can kill the group as a last resort.
-            wrapper = (f'mkdir -p {_PIDFILE_DIR} && echo $$ > {_PIDFILE_DIR}/{token}; exec 2>&1; '
-                       f'exec timeout -k {KILL_GRACE_S:g} {timeout:g} "$@"')
+            # timeout(1) makes itself a process-group leader and signals the whole group on expiry.
+            wrapper = f'exec 2>&1; exec timeout -k {KILL_GRACE_S:g} {timeout:g} "$@"'
         else:
             wrapper = 'exec 2>&1; exec "$@"'
-        full = self.exec_argv(["sh", "-c", wrapper, "sh", *argv], workdir=workdir, env=env, user=user,
-                              interactive=stdin is not None)
+        # Every process of this command inherits LEGORL_EXEC=token, so the host can find and kill
+        # them even if they left the process group.
+        full = ["sh", "-c", wrapper, "sh", *argv]
+        env = {**(env or {}), _TOKEN: token}
         start = time.monotonic()
-        host_timeout = None if timeout is None else timeout + KILL_GRACE_S + HOST_GRACE_S
+        watchdog = None
+        if timeout is not None:  # last resort if the exec has not returned well after its timeout
+            watchdog = threading.Timer(timeout + KILL_GRACE_S + self.host_grace_s, self.kill_tagged, [token])
+            watchdog.daemon = True
+            watchdog.start()
         try:
-            proc = subprocess.run(full, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  env=podman_env(), timeout=host_timeout)
+            code, out, err = self._run(full, workdir=workdir, env=env, user=user, stdin=stdin,
+                                       timeout=None if timeout is None else timeout + KILL_GRACE_S + 60)
         except subprocess.TimeoutExpired as exc:
-            self._kill_group(token)
-            out = exc.stdout or b""
-            return ExecResult(137, out.decode(errors="replace"), True, time.monotonic() - start)
+            self.kill_tagged(token)
+            return ExecResult(137, (exc.stdout or b"").decode(errors="replace"), True, time.monotonic() - start)
         finally:
-            if timeout is not None:
-                self._quiet(["rm", "-f", f"{_PIDFILE_DIR}/{token}"])
+            if watchdog is not None:
+                watchdog.cancel()
         duration = time.monotonic() - start
-        code = proc.returncode
         timed_out = timeout is not None and code in (124, 137) and duration >= timeout
-        return ExecResult(code, proc.stdout.decode(errors="replace"), timed_out, duration)
+        if timed_out:
+            self.kill_tagged(token)  # what escaped the process group (setsid, daemons) goes too
+        return ExecResult(code, (out + err).decode(errors="replace"), timed_out, duration)
 
-    def _quiet(self, argv: list[str]) -> None:
-        subprocess.run(self.exec_argv(argv), capture_output=True, env=podman_env(), timeout=60)
-
-    def _kill_group(self, token: str) -> None:
-        self._quiet(["sh", "-c", f'p=$(cat {_PIDFILE_DIR}/{token} 2>/dev/null) && kill -KILL -- -"$p"'])
+    def kill_tagged(self, token: str) -> None:
+        """SIGKILL every process in the container whose environment holds ``LEGORL_EXEC=token``."""
+        script = (f'for p in /proc/[0-9]*; do grep -qxz "{_TOKEN}={token}" "$p/environ" 2>/dev/null '
+                  '&& kill -KILL "${p#/proc/}" 2>/dev/null; done; true')
+        with contextlib.suppress(SandboxError, subprocess.TimeoutExpired):
+            self._run(["sh", "-c", script], timeout=60)
 
     # -- files
 
     def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` in the container (parents created), binary-safe."""
+        if not path.startswith("/"):
+            raise SandboxError(f"{self.name}: put_file needs an absolute path, got {path!r}")
+        if self._service is not None:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                parts = path.strip("/").split("/")
+                for i in range(1, len(parts)):  # parents, so the copy creates missing directories
+                    info = tarfile.TarInfo("/".join(parts[:i]))
+                    info.type, info.mode = tarfile.DIRTYPE, 0o755
+                    tar.addfile(info)
+                info = tarfile.TarInfo("/".join(parts))
+                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+            if self._copy_in("/", buf.getvalue()):
+                return
         script = 'mkdir -p "$(dirname "$1")" && cat > "$1" && chmod "$2" "$1"'
         res = self.exec(["sh", "-c", script, "sh", path, f"{mode:o}"], stdin=data)
         if res.exit_code != 0:
             raise SandboxError(f"{self.name}: cannot write {path}: {res.output.strip()[-200:]}")
 
+    def _copy_in(self, path: str, tar_bytes: bytes) -> bool:
+        """put_archive through the service; False when the CLI should do it instead."""
+        from podman.errors import APIError, NotFound
+
+        assert self._service is not None
+        try:
+            return bool(self._service.container(self.name).put_archive(path, tar_bytes))
+        except NotFound as exc:
+            raise SandboxError(f"{self.name}: container is gone") from exc
+        except (APIError, OSError):
+            return False
+
     def get_file(self, path: str) -> bytes:
         """Read a file from the container; FileNotFoundError if it is not there."""
-        proc = subprocess.run(self.exec_argv(["cat", "--", path]), capture_output=True, env=podman_env(), timeout=300)
-        if proc.returncode != 0:
-            err = proc.stderr.decode(errors="replace")
-            if "No such file" in err:
+        code, out, err = self._run(["cat", "--", path], timeout=300)
+        if code != 0:
+            if b"No such file" in err:
                 raise FileNotFoundError(f"{self.name}:{path}")
-            raise SandboxError(f"{self.name}: cannot read {path}: {err.strip()[-200:]}")
-        return proc.stdout
+            raise SandboxError(f"{self.name}: cannot read {path}: {err.decode(errors='replace').strip()[-200:]}")
+        return out
 
     def put_dir(self, host_dir: str, path: str) -> None:
         """Copy the contents of ``host_dir`` into ``path`` (created if missing)."""
@@ -281,16 +346,12 @@ class PodmanSandbox:
             "git add -A . >/dev/null; "
             f"git -c core.quotepath=off diff --cached --binary --no-color --no-ext-diff {base} --"
         )
-        proc = subprocess.run(
-            self.exec_argv(["sh", "-c", script], workdir=path, env={"GIT_CONFIG_COUNT": "1",
-                           "GIT_CONFIG_KEY_0": "safe.directory", "GIT_CONFIG_VALUE_0": "*"}),
-            capture_output=True, env=podman_env(), timeout=600,
-        )
-        if proc.returncode != 0:
-            raise SandboxError(f"{self.name}: git diff in {path} failed: "
-                               f"{proc.stderr.decode(errors='replace').strip()[-300:]}")
+        safe = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory", "GIT_CONFIG_VALUE_0": "*"}
+        code, out, err = self._run(["sh", "-c", script], workdir=path, env=safe, timeout=600)
+        if code != 0:
+            raise SandboxError(f"{self.name}: git diff in {path} failed: {err.decode(errors='replace').strip()[-300:]}")
         # --binary diffs are ASCII; text in another encoding than UTF-8 is the rare lossy case
-        return proc.stdout.decode(errors="replace")
+        return out.decode(errors="replace")
 
     # -- lifetime
 

@@ -44,10 +44,9 @@ class TestbedError(LegorlError):
     __test__ = False  # not a pytest class, despite the name
 
 
-def _git(args: list[str], cwd: Path | None = None, **kw: object) -> subprocess.CompletedProcess[bytes]:
+def _git(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
     env = {**os.environ, **_GIT_ENV, "HOME": str(cache_dir())}
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, env=env, **kw)  # type: ignore[call-overload]
-    return proc  # type: ignore[no-any-return]
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, env=env)
 
 
 def _git_ok(args: list[str], cwd: Path | None = None, what: str = "") -> bytes:
@@ -55,7 +54,7 @@ def _git_ok(args: list[str], cwd: Path | None = None, what: str = "") -> bytes:
     if proc.returncode != 0:
         err = proc.stderr.decode(errors="replace").strip().splitlines()
         raise TestbedError(f"{what or 'git ' + args[0]}: {err[-1] if err else f'exit {proc.returncode}'}")
-    return proc.stdout  # type: ignore[no-any-return]
+    return proc.stdout
 
 
 def _source_key(source: Path, ref: str) -> str:
@@ -91,7 +90,7 @@ def _resolve(store: Path, ref: str, source: Path) -> str:
     proc = _git(["rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], cwd=store)
     if proc.returncode != 0:
         raise TestbedError(f"repo_source {source}: commit or ref '{ref}' not found")
-    return proc.stdout.decode().strip()  # type: ignore[no-any-return]
+    return proc.stdout.decode().strip()
 
 
 def prepare_repo(repo_source: str | os.PathLike[str], ref: str) -> tuple[Path, str]:
@@ -134,6 +133,7 @@ def prepare_repo(repo_source: str | os.PathLike[str], ref: str) -> tuple[Path, s
         _git_ok(["add", "-A", "-f"], cwd=tree)
         _git_ok(["commit", "-q", "--allow-empty", "--no-verify", "-m", COMMIT_MESSAGE], cwd=tree)
         new = _git_ok(["rev-parse", "HEAD"], cwd=tree).decode().strip()
+        shutil.rmtree(tree / ".git" / "logs", ignore_errors=True)  # the reflog of the one commit: noise
         (tree / ".git" / "legorl-testbed").write_text(new + "\n")
         try:
             tree.rename(out)

@@ -122,7 +122,7 @@ def _read_hub(dataset_id: str, split: str) -> list[dict[str, Any]]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = " (offline: HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
         raise LegorlError(f"cannot load dataset {dataset_id!r} split {split!r}{hint}: {first}") from exc
-    return [dict(r) for r in ds]  # type: ignore[arg-type]
+    return [dict(r) for r in ds]
 
 
 def read_source(source: str, split: str = "test") -> tuple[list[dict[str, Any]], Path]:

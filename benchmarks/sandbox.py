@@ -1,0 +1,134 @@
+"""Sandbox backend choice, measured: the podman CLI (what legorl uses) vs podman-py over a private
+``podman system service`` socket, on the same image and container options.
+
+    .venv/bin/python benchmarks/sandbox.py [--starts 5] [--execs 20] [--copies 10]
+
+Prints per-operation medians for both and the ratio podman-py / CLI (> 1: the CLI is faster).
+Needs podman and the base image (`legorl setup`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from legorl.sandbox import PodmanBackend, SandboxSpec, base_image
+from legorl.sandbox.host import podman_env, podman_path, require_image
+
+PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
+
+
+def timed(fn: Callable[[], Any], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def bench_cli(image: str, starts: int, execs: int, copies: int) -> dict[str, list[float]]:
+    backend = PodmanBackend()
+    spec = SandboxSpec(image=image, labels={"run": "bench"})
+    res: dict[str, list[float]] = {"start": [], "remove": []}
+    for _ in range(starts):
+        t = time.perf_counter()
+        box = backend.create(spec)
+        res["start"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        box.remove()
+        res["remove"].append(time.perf_counter() - t)
+    with backend.create(spec) as box:
+        res["exec"] = timed(lambda: box.exec(["true"]), execs)
+        res["exec+timeout"] = timed(lambda: box.exec(["true"], timeout=60), execs)
+        res["copy-in 1MiB"] = timed(lambda: box.put_file("/tmp/payload.bin", PAYLOAD), copies)
+        assert box.get_file("/tmp/payload.bin") == PAYLOAD
+    return res
+
+
+def bench_podman_py(image: str, starts: int, execs: int, copies: int) -> tuple[dict[str, list[float]], float]:
+    from podman import PodmanClient
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sock = Path(tmp) / "podman.sock"
+        t0 = time.perf_counter()
+        service = subprocess.Popen([podman_path(), "system", "service", "--time=0", f"unix://{sock}"],
+                                   env=podman_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            client = PodmanClient(base_url=f"unix://{sock}")
+            while True:
+                try:
+                    client.ping()
+                    break
+                except Exception:
+                    if time.perf_counter() - t0 > 30:
+                        raise
+                    time.sleep(0.02)
+            service_start = time.perf_counter() - t0
+            kwargs = dict(detach=True, network_mode="none", init=True, mem_limit="4g", pids_limit=1024,
+                          labels={"legorl": "1", "legorl.run": "bench-py"}, working_dir="/testbed")
+
+            def start() -> Any:
+                return client.containers.run(image, ["sleep", "infinity"], **kwargs)
+
+            res: dict[str, list[float]] = {"start": [], "remove": []}
+            for _ in range(starts):
+                t = time.perf_counter()
+                ctr = start()
+                res["start"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                ctr.remove(force=True)
+                res["remove"].append(time.perf_counter() - t)
+            ctr = start()
+            try:
+                def one_exec() -> None:
+                    code, _out = ctr.exec_run(["true"], demux=True)
+                    assert code == 0
+
+                res["exec"] = timed(one_exec, execs)
+                res["exec+timeout"] = timed(lambda: ctr.exec_run(["timeout", "60", "true"], demux=True), execs)
+
+                def copy_in() -> None:
+                    buf = io.BytesIO()
+                    with tarfile.open(fileobj=buf, mode="w") as tar:
+                        info = tarfile.TarInfo("payload.bin")
+                        info.size = len(PAYLOAD)
+                        tar.addfile(info, io.BytesIO(PAYLOAD))
+                    assert ctr.put_archive("/tmp", buf.getvalue())
+
+                res["copy-in 1MiB"] = timed(copy_in, copies)
+            finally:
+                ctr.remove(force=True)
+            return res, service_start
+        finally:
+            service.terminate()
+            service.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--starts", type=int, default=5)
+    parser.add_argument("--execs", type=int, default=20)
+    parser.add_argument("--copies", type=int, default=10)
+    args = parser.parse_args()
+    image = base_image()
+    require_image(image)
+    cli = bench_cli(image, args.starts, args.execs, args.copies)
+    py, service_start = bench_podman_py(image, args.starts, args.execs, args.copies)
+    print(f"podman-py: starting a private `podman system service`: {service_start * 1000:.0f} ms (once per process)")
+    print(f"{'operation (median)':<22}{'CLI ms':>10}{'podman-py ms':>14}{'py/CLI':>9}")
+    for key in cli:
+        c, p = statistics.median(cli[key]), statistics.median(py[key])
+        print(f"{key:<22}{c * 1000:>10.0f}{p * 1000:>14.0f}{p / c:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The vLLM engine: an existing ``vllm serve`` over HTTP, token ids in and token ids out.
+
+Start the server so its logprobs are those of the distribution it samples from, and (for MoE
+models) so it returns routing::
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL_DIR --logprobs-mode processed_logprobs \\
+        --enable-return-routed-experts --generation-config vllm
+
+Requests go to ``/v1/completions`` with the prompt as token ids, ``return_token_ids: true`` and
+``logprobs: 1``; the sampled ids come from ``choices[0].token_ids`` and their logprobs from
+``choices[0].logprobs.token_logprobs`` (so no text is ever re-tokenized).
+
+Routed experts: vLLM has shipped two shapes, both parsed here — a response-level
+``prompt_routed_experts`` ``[P, L, k]`` with a per-choice ``routed_experts`` for the completion,
+or (newer) only the per-choice ``routed_experts`` as base64-encoded ``.npy`` covering prompt and
+completion; either way the last sampled token was never fed forward and has no row, so it is
+filled with -1 (as the embedded engine does). vLLM returns routing only in non-streamed responses,
+so with ``routed_experts=True`` :meth:`VLLMEngine.stream` makes one non-streamed request and
+yields its tokens at the end.
+
+Weights: stock ``vllm serve`` has no HTTP route that loads a checkpoint from an arbitrary path (its
+weight-transfer routes move GPU tensors over NCCL / CUDA IPC from a trainer process). What it has,
+in dev mode, is ``/collective_rpc`` with ``reload_weights`` (re-read the served directory),
+``/pause`` and ``/resume`` and ``/reset_prefix_cache``. So :meth:`VLLMEngine.load_weights` copies
+the checkpoint's weight files into ``served_model_dir`` (the directory the server loaded, on a
+shared filesystem), then pauses (waiting for in-flight requests), reloads, clears the prefix cache
+and resumes. This was checked against vLLM's source and a local stand-in server, not against a
+running vLLM (no GPU here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from legorl.engines import PromptTooLong
+from legorl.engines.base import Generation, SamplingParams, TokenChunk
+from legorl.errors import ConfigError, LegorlError
+
+_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
+
+
+def decode_routed_experts(value: Any) -> np.ndarray | None:
+    """One routed-experts field as vLLM sends it -> ``[N, layers, k]`` int16 (None if absent).
+
+    Accepts nested lists, base64 ``.npy`` text, or ``{"encoding": "base64", "dtype", "shape", "data"}``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        arr = np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
+    elif isinstance(value, dict):
+        if value.get("encoding") != "base64":
+            raise LegorlError(f"routed experts: unknown encoding {value.get('encoding')!r}")
+        raw = base64.b64decode(value["data"])
+        arr = np.frombuffer(raw, dtype=np.dtype(value.get("dtype", "int16"))).reshape(value["shape"])
+    else:
+        arr = np.asarray(value)
+    if arr.size == 0:
+        return None
+    if arr.ndim != 3:
+        raise LegorlError(f"routed experts: expected [tokens, layers, top_k], got shape {arr.shape}")
+    return arr.astype(np.int16)
+
+
+def routed_experts_for(body: dict[str, Any], choice: dict[str, Any], prompt_len: int, n_tokens: int) -> np.ndarray | None:
+    """``[prompt_len + n_tokens, layers, k]`` routing from a completion response, or None if absent."""
+    prompt = decode_routed_experts(body.get("prompt_routed_experts", choice.get("prompt_routed_experts")))
+    rest = decode_routed_experts(choice.get("routed_experts"))
+    parts = [p for p in (prompt, rest) if p is not None]
+    if not parts:
+        return None
+    full = np.concatenate(parts, axis=0)
+    total = prompt_len + n_tokens
+    if full.shape[0] == total - 1:  # the last sampled token was never fed forward
+        full = np.concatenate([full, np.full((1, *full.shape[1:]), -1, dtype=np.int16)])
+    if full.shape[0] != total:
+        raise LegorlError(
+            f"vllm returned routed experts for {full.shape[0]} tokens; expected {total - 1} or {total} "
+            f"(prompt {prompt_len} + completion {n_tokens})"
+        )
+    return full
+
+
+class VLLMEngine:
+    """:class:`~legorl.engines.base.Engine` over an existing ``vllm serve`` (OpenAI-compatible HTTP)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        api_key: str | None = None,
+        max_context: int | None = None,
+        routed_experts: bool = False,
+        served_model_dir: str | Path | None = None,
+        timeout: float = 600.0,
+        name: str | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[:-3]
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.routed_experts = routed_experts
+        self.served_model_dir = Path(served_model_dir) if served_model_dir else None
+        self._timeout = httpx.Timeout(timeout, connect=10.0)
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        if model is None or max_context is None:
+            card = self._model_card(model)
+            model = model or card["id"]
+            max_context = max_context or card.get("max_model_len")
+        if not max_context:
+            raise ConfigError(f"{self.base_url}: the server did not report max_model_len; pass max_context")
+        self.model: str = str(model)
+        self.name = name or self.model
+        self.max_context = int(max_context)
+
+    # ----------------------------------------------------------------------------------- helpers
+
+    def _model_card(self, model: str | None) -> dict[str, Any]:
+        try:
+            r = httpx.get(f"{self.base_url}/v1/models", headers=self._headers, timeout=10.0)
+            r.raise_for_status()
+            cards = r.json()["data"]
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            raise LegorlError(f"{self.base_url}/v1/models: cannot list the served models ({e})") from e
+        for card in cards:
+            if model is None or card.get("id") == model:
+                return dict(card)
+        raise ConfigError(f"{self.base_url} does not serve model {model!r} (it serves {[c.get('id') for c in cards]})")
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """One connection pool per event loop (a pool cannot outlive or cross the loop it was made on)."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client.is_closed or self._client_loop is not loop:
+            self._client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout)
+            self._client_loop = loop
+        return self._client
+
+    def request_body(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(prompt_ids),
+            "max_tokens": min(params.max_tokens, self.max_context - len(prompt_ids)),
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,  # -1 = off in every vLLM version
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "stream": stream,
+        }
+        if params.stop_token_ids:
+            body["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ConfigError("empty prompt: at least one token is required")
+        if len(prompt_ids) >= self.max_context:
+            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of {self.max_context}")
+
+    @staticmethod
+    def _error(r: httpx.Response) -> LegorlError:
+        try:
+            body = r.json()
+            msg = body.get("message") or body.get("error", {}).get("message") or body.get("detail") or r.text
+        except ValueError:
+            msg = r.text
+        msg = str(msg)[:500]
+        if r.status_code == 400 and ("context length" in msg or "max_model_len" in msg or "maximum" in msg):
+            return PromptTooLong(f"vllm: {msg}")
+        return LegorlError(f"vllm {r.request.url.path}: HTTP {r.status_code}: {msg}")
+
+    @staticmethod
+    def _logprobs(choice: dict[str, Any], n: int) -> list[float]:
+        lp = (choice.get("logprobs") or {}).get("token_logprobs")
+        if lp is None or len(lp) != n or any(x is None for x in lp):
+            raise LegorlError("vllm response lacks per-token logprobs (was logprobs=1 honoured?)")
+        return [float(x) for x in lp]
+
+    def _generation(self, body: dict[str, Any], prompt_ids: list[int]) -> Generation:
+        try:
+            choice = body["choices"][0]
+            ids = choice["token_ids"]
+        except (KeyError, IndexError, TypeError) as e:
+            raise LegorlError("vllm response lacks choices[0].token_ids (vLLM >= 0.10.2 with return_token_ids)") from e
+        if ids is None:
+            raise LegorlError("vllm response lacks choices[0].token_ids (vLLM >= 0.10.2 with return_token_ids)")
+        reason = choice.get("finish_reason")
+        if reason not in ("stop", "length"):
+            raise LegorlError(f"vllm finished with {reason!r}")
+        return Generation(
+            token_ids=[int(t) for t in ids],
+            logprobs=self._logprobs(choice, len(ids)),
+            finish_reason=reason,
+            routed_experts=routed_experts_for(body, choice, len(prompt_ids), len(ids)),
+            prompt_tokens=len(prompt_ids),
+        )
+
+    # -------------------------------------------------------------------------------- Engine API
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        self._check_prompt(prompt_ids)
+        try:
+            r = await self.client.post("/v1/completions", json=self.request_body(prompt_ids, params, stream=False))
+        except httpx.HTTPError as e:
+            raise LegorlError(f"vllm at {self.base_url}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise self._error(r)
+        return self._generation(r.json(), prompt_ids)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        if self.routed_experts:  # routing only comes in non-streamed responses
+            gen = await self.generate(prompt_ids, params)
+            yield TokenChunk(token_ids=list(gen.token_ids), logprobs=list(gen.logprobs), final=gen)
+            return
+        self._check_prompt(prompt_ids)
+        ids: list[int] = []
+        lps: list[float] = []
+        reason: str | None = None
+        body = self.request_body(prompt_ids, params, stream=True)
+        try:
+            async with self.client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    raise self._error(r)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise LegorlError(f"vllm stream error: {chunk['error']}")
+                    for choice in chunk.get("choices") or []:
+                        delta = [int(t) for t in choice.get("token_ids") or []]
+                        dl = self._logprobs(choice, len(delta)) if delta else []
+                        ids += delta
+                        lps += dl
+                        reason = choice.get("finish_reason") or reason
+                        if delta:
+                            yield TokenChunk(token_ids=delta, logprobs=dl)
+        except httpx.HTTPError as e:
+            raise LegorlError(f"vllm at {self.base_url}: {type(e).__name__}: {e}") from e
+        if reason not in ("stop", "length"):
+            raise LegorlError(f"vllm stream ended with finish_reason {reason!r}")
+        final = Generation(token_ids=ids, logprobs=lps, finish_reason=reason, prompt_tokens=len(prompt_ids))
+        yield TokenChunk(token_ids=[], logprobs=[], final=final)
+
+    async def load_weights(self, path: str) -> None:
+        """Copy ``path``'s weight files into ``served_model_dir`` and have the server reload them."""
+        if self.served_model_dir is None:
+            raise ConfigError(
+                "vllm engine: load_weights needs served_model_dir (the directory `vllm serve` loaded, "
+                "on a filesystem shared with this process)"
+            )
+        src = Path(path)
+        files = sorted({f for pat in _WEIGHT_FILES for f in src.glob(pat)})
+        if not files:
+            raise ConfigError(f"{src}: no weight files ({', '.join(_WEIGHT_FILES)})")
+        if src.resolve() != self.served_model_dir.resolve():
+            for f in files:
+                tmp = self.served_model_dir / f".{f.name}.tmp"
+                shutil.copyfile(f, tmp)
+                os.replace(tmp, self.served_model_dir / f.name)
+        await self._post("/pause", params={"mode": "wait"})
+        try:
+            await self._post("/collective_rpc", json={"method": "reload_weights"})
+            await self._post("/reset_prefix_cache")
+        finally:
+            await self._post("/resume")
+
+    async def _post(self, route: str, **kw: Any) -> None:
+        try:
+            r = await self.client.post(route, **kw)
+        except httpx.HTTPError as e:
+            raise LegorlError(f"vllm at {self.base_url}{route}: {type(e).__name__}: {e}") from e
+        if r.status_code == 404:
+            raise LegorlError(f"vllm at {self.base_url} has no {route} route: start it with VLLM_SERVER_DEV_MODE=1")
+        if r.status_code >= 400:
+            raise self._error(r)
+
+    async def close(self) -> None:
+        if self._client is not None and self._client_loop is asyncio.get_running_loop():
+            await self._client.aclose()
+        self._client = None

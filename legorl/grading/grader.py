@@ -1,0 +1,315 @@
+"""Grade one (task, patch): a fresh container, the filtered patch, the hidden tests, SWE-bench's rules.
+
+The steps, in one container that is removed on every exit path:
+
+1. drop the patch's edits to hidden test files and test infrastructure (:mod:`.patches`);
+2. start a container from the task's image (network off) and build ``/testbed`` at the task's
+   commit (from ``repo_source``), or use the image's own ``/testbed`` with its history stripped;
+3. apply the patch with ``git apply -v``, then ``--3way``, then ``--reject``, then
+   ``patch --batch --forward --fuzz=5 -p1`` (the tree is reset between tries; all failing is
+   ``patch_apply_failed``, reward 0);
+4. restore tox.ini / setup.cfg / pyproject.toml whose pytest section the patch changed;
+5. reset the files ``test_patch`` touches and apply it; run the test command between SWE-bench's
+   markers with a timeout; parse; judge every FAIL_TO_PASS / PASS_TO_PASS test.
+
+Steps 3 and 5 run as one shell script in one ``exec`` (two when step 4 has files to judge): each
+``exec`` costs a podman round trip, and grading throughput is what RL waits on.
+
+Grading's own failures — image missing, container gone, a task whose test_patch does not apply,
+no test runner in the image — are ``infra_error`` with a null reward, never reward 0: a rerun
+grades them again.
+"""
+
+from __future__ import annotations
+
+import base64
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+
+from legorl.errors import LegorlError
+from legorl.grading.logparse import (
+    END_MARKER,
+    EXIT_CODE_MARKER,
+    START_MARKER,
+    TestStatuses,
+    contradicts_exit_code,
+    get_parser,
+    split_log,
+)
+from legorl.grading.patches import filter_patch, pytest_section, shared_configs, touched_paths
+from legorl.grading.report import evaluate, failed_report
+from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
+from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
+
+DEFAULT_TEST_COMMAND = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
+APPLY_FAILED = ">>>>> Patch Apply Failed"
+APPLIED = ">>>>> Applied Patch"
+TEST_PATCH_FAILED = ">>>>> Reset Failed"  # SWE-bench's marker: the hidden tests could not be put in place
+TIMED_OUT = ">>>>> Tests Timed Out"
+APPLY_METHODS = (
+    ("git apply", "git apply -v {f}"),
+    ("git apply --3way", "git apply -v --3way {f}"),
+    ("git apply --reject", "git apply -v --reject {f}"),
+    ("patch --fuzz=5", "patch --batch --forward --fuzz=5 -p1 -i {f}"),
+)
+WORK = "/tmp/.legorl-grade"
+MAX_LOG_CHARS = 200_000
+INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
+
+
+class GradingInfraError(LegorlError):
+    """Grading itself failed (not the patch): the grade is infra_error and is retried on rerun."""
+
+
+@dataclass
+class GradeOptions:
+    test_timeout: float = 600.0
+    default_image: str | None = None  # for tasks without an image (the base image of `legorl setup`)
+    labels: dict[str, str] = field(default_factory=dict)
+    memory: str = "4g"
+    cpus: float | None = None
+    run_empty: bool = False  # also run the tests for an empty patch (task validation)
+
+
+def test_files(test_patch: str | None) -> list[str]:
+    """The test files the default command runs: the Python files ``test_patch`` leaves in place."""
+    from legorl.grading.patches import split_patch
+
+    return [fp.new_path for fp in split_patch(test_patch or "") if fp.new_path and fp.new_path.endswith(".py")]
+
+
+def test_command(task: TaskRow) -> str:
+    files = test_files(task.test_patch)
+    command = task.test_command or DEFAULT_TEST_COMMAND
+    if "{test_files}" in command:
+        if not files:
+            raise GradingInfraError(f"task {task.instance_id}: test_patch touches no Python test file to run")
+        command = command.replace("{test_files}", " ".join(shlex.quote(f) for f in files))
+    return command
+
+
+def _b64_file(path: str, text: str) -> str:
+    data = base64.b64encode(text.encode()).decode()
+    return f"base64 -d > {shlex.quote(path)} <<'LEGORL_EOF'\n{data}\nLEGORL_EOF\n"
+
+
+def apply_script(patch: str) -> str:
+    """Shell: apply ``patch`` to /testbed by the first method that works, else print the failure marker."""
+    lines = ["cd /testbed", f"mkdir -p {WORK}", _b64_file(f"{WORK}/patch.diff", patch), "applied="]
+    for name, cmd in APPLY_METHODS:
+        lines += [
+            'if [ -z "$applied" ]; then',
+            f"  echo '>>>>> legorl: trying {name}'",
+            f"  if {cmd.format(f=f'{WORK}/patch.diff')} 2>&1; then applied={shlex.quote(name)}; "
+            "else git reset -q --hard HEAD; git clean -fdq; fi",
+            "fi",
+        ]
+    lines += [
+        f'if [ -z "$applied" ]; then echo "{APPLY_FAILED}"; exit 3; fi',
+        f'echo "{APPLIED} ($applied)"',
+        f"find . -name '*.rej' -newer {WORK}/patch.diff -not -path './.git/*' -delete 2>/dev/null",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def tests_script(task: TaskRow, hidden: list[str], command: str, timeout: float) -> str:
+    """Shell: put the hidden tests in place (reset, then apply test_patch) and run the tests."""
+    lines = ["cd /testbed", f"mkdir -p {WORK}"]
+    for path in hidden:
+        q = shlex.quote(path)
+        lines.append(f"if git cat-file -e HEAD:{q} 2>/dev/null; then git checkout -q HEAD -- {q}; else rm -rf -- {q}; fi")
+    if (task.test_patch or "").strip():
+        lines += [
+            _b64_file(f"{WORK}/test.diff", task.test_patch or ""),
+            f'git apply -v {WORK}/test.diff 2>&1 || {{ echo "{TEST_PATCH_FAILED}"; exit 4; }}',
+        ]
+    lines += [
+        f"rm -rf {WORK}",
+        f"echo '{START_MARKER}'",
+        f"timeout -k 5 {timeout:g} bash -c {shlex.quote(command)} 2>&1 </dev/null",
+        "code=$?",
+        f"echo '{END_MARKER}'",
+        f'if [ "$code" = 124 ] || [ "$code" = 137 ]; then echo "{TIMED_OUT}"; fi',
+        f'echo "{EXIT_CODE_MARKER}: $code"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _trim(log: str) -> str:
+    if len(log) <= MAX_LOG_CHARS:
+        return log
+    half = MAX_LOG_CHARS // 2
+    return log[:half] + f"\n... [{len(log) - MAX_LOG_CHARS} characters cut] ...\n" + log[-half:]
+
+
+class Grader:
+    """Grades patches against tasks, one fresh sandbox per grade.
+
+    ``create`` makes a sandbox from a spec (``PodmanBackend().create`` by default).
+    """
+
+    def __init__(self, options: GradeOptions | None = None, create: Callable[[SandboxSpec], Sandbox] | None = None):
+        self.options = options or GradeOptions()
+        if create is None:
+            from legorl.sandbox.podman import PodmanBackend
+
+            create = PodmanBackend().create
+        self._create = create
+
+    def image_for(self, task: TaskRow) -> str:
+        if task.image:
+            return task.image
+        if self.options.default_image:
+            return self.options.default_image
+        from legorl.sandbox.host import base_image
+
+        return base_image()
+
+    def grade(self, task: TaskRow, patch: str | None, trial_id: str | None = None, **row: object) -> GradeRow:
+        """Grade ``patch`` on ``task``; extra keyword arguments (``harness``, ``step``) go on the row."""
+        start = time.monotonic()
+        out = GradeRow(trial_id=trial_id or task.instance_id, task_id=task.instance_id,
+                       status=GradeStatus.GRADED, **row)  # type: ignore[arg-type]
+        try:
+            self._grade(task, patch, out)
+        except LegorlError as exc:  # SandboxError, TestbedError, GradingInfraError, missing image
+            self._infra(out, str(exc))
+        except (OSError, TimeoutError) as exc:
+            self._infra(out, f"{type(exc).__name__}: {exc}")
+        out.duration_s = round(time.monotonic() - start, 3)
+        if out.log is not None:
+            out.log = _trim(out.log)
+        return out
+
+    @staticmethod
+    def _infra(out: GradeRow, error: str) -> None:
+        out.status = GradeStatus.INFRA_ERROR
+        out.infra_failure = True
+        out.reward = None
+        out.resolved = None
+        out.resolution = None
+        out.error = error.splitlines()[0] if error else "infrastructure error"
+
+    @staticmethod
+    def _zero(out: GradeRow, status: GradeStatus, error: str, task: TaskRow, test_status: str = "MISSING") -> None:
+        report = failed_report(task.FAIL_TO_PASS, task.PASS_TO_PASS, test_status)
+        out.status, out.error, out.tests = status, error, report.tests
+        out.reward, out.resolved, out.resolution = 0.0, False, Resolution.NO
+
+    def _grade(self, task: TaskRow, patch: str | None, out: GradeRow) -> None:
+        hidden = touched_paths(task.test_patch)
+        filtered = filter_patch(patch, hidden)
+        out.dropped_paths = sorted(filtered.dropped)
+        log: list[str] = [f"{'>>>>> legorl: dropped ' + p + ' (' + why + ')'}" for p, why in filtered.dropped.items()]
+        if not (patch or "").strip() and not self.options.run_empty:
+            self._zero(out, GradeStatus.EMPTY_PATCH, "empty patch: nothing to grade", task)
+            return
+        command = test_command(task)
+        parse = get_parser(task.log_parser)
+        spec = SandboxSpec(
+            image=self.image_for(task), labels={"role": "grade", "trial": out.trial_id, **self.options.labels},
+            network=False, memory=self.options.memory, cpus=self.options.cpus,
+            deadline_s=self.options.test_timeout + 2 * INFRA_SLACK_S,
+        )
+        box = self._create(spec)
+        try:
+            self._prepare(box, task)
+            configs = shared_configs(filtered.kept)
+            script = apply_script(filtered.patch) if filtered.patch.strip() else "cd /testbed\n"
+            if configs:
+                res = self._run(box, script, INFRA_SLACK_S)
+                log.append(res.output)
+                if APPLIED not in res.output and filtered.patch.strip():
+                    self._applied(out, res.output, task, log)
+                    return
+                for path in self._changed_configs(box, configs):
+                    out.dropped_paths = sorted({*out.dropped_paths, path})
+                    log.append(f">>>>> legorl: restored {path} (pytest section changed)")
+                script = ""
+            script += tests_script(task, hidden, command, self.options.test_timeout)
+            res = self._run(box, script, self.options.test_timeout + INFRA_SLACK_S)
+            log.append(res.output)
+            text = "\n".join(log)
+            out.log = text
+            if filtered.patch.strip() and not self._applied(out, text, task, log):
+                return
+            if TEST_PATCH_FAILED in res.output:
+                raise GradingInfraError(f"task {task.instance_id}: its test_patch does not apply to the testbed")
+            if res.timed_out or END_MARKER not in res.output:
+                if not box.alive():
+                    raise GradingInfraError("the grading container died during the test run")
+                raise GradingInfraError(f"the grading script did not finish (exit {res.exit_code})")
+            self._judge(out, text, parse, task)
+        finally:
+            box.remove()
+
+    def _prepare(self, box: Sandbox, task: TaskRow) -> None:
+        from legorl.sandbox.testbed import install_testbed, strip_history
+
+        if task.repo_source:
+            ref = task.repo_ref or task.base_commit
+            assert ref is not None  # the importer requires one of them
+            install_testbed(box, task.repo_source, ref)
+        else:
+            strip_history(box)
+
+    @staticmethod
+    def _run(box: Sandbox, script: str, timeout: float) -> ExecResult:
+        box.put_file(f"{WORK}-script.sh", script.encode(), 0o700)
+        res = box.exec(f"bash {WORK}-script.sh", timeout=timeout)
+        if res.exit_code in (125, 126, 127) and not box.alive():
+            raise GradingInfraError(f"the grading container is gone (exit {res.exit_code})")
+        return res
+
+    def _applied(self, out: GradeRow, text: str, task: TaskRow, log: list[str]) -> bool:
+        """Record how the patch went in; False (and a zero grade) when it did not."""
+        for line in text.splitlines():
+            if line.startswith(APPLIED + " ("):
+                out.apply_method = line[len(APPLIED) + 2 : -1]
+                return True
+        out.log = "\n".join(log)
+        if APPLY_FAILED in text:
+            self._zero(out, GradeStatus.PATCH_APPLY_FAILED, "the patch did not apply by any method", task)
+            return False
+        raise GradingInfraError("the grading script stopped before the patch was applied")
+
+    def _changed_configs(self, box: Sandbox, paths: list[str]) -> list[str]:
+        """Restore the shared config files whose pytest section differs from the original."""
+        changed = []
+        for path in dict.fromkeys(paths):
+            q = shlex.quote(path)
+            res = box.exec(f"cd /testbed && git show HEAD:{q} 2>/dev/null | base64 -w0; echo; "
+                           f"test -f {q} && base64 -w0 {q}; echo", timeout=60)
+            parts = [*res.output.split("\n"), "", ""][:2]
+            old, new = (base64.b64decode(p).decode(errors="replace") if p.strip() else None for p in parts)
+            name = PurePosixPath(path).name
+            if pytest_section(name, old) != pytest_section(name, new):
+                restore = (f"git checkout -q HEAD -- {q}" if old is not None else f"rm -f -- {q}")
+                res = box.exec(f"cd /testbed && {restore}", timeout=60)
+                if res.exit_code != 0:
+                    raise GradingInfraError(f"cannot restore {path}: {res.output.strip()[-200:]}")
+                changed.append(path)
+        return changed
+
+    def _judge(self, out: GradeRow, text: str, parse: Callable[[str], TestStatuses], task: TaskRow) -> None:
+        parts = split_log(text)
+        statuses = parse(parts.output)
+        runner_missing = parts.exit_code in (126, 127) or (
+            "No module named pytest" in parts.output and "test session starts" not in parts.output)
+        if not statuses and runner_missing:
+            raise GradingInfraError(f"the test command could not start in {self.image_for(task)} "
+                                    f"(exit {parts.exit_code}): {parts.output.strip()[-200:]}")
+        report = evaluate(statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS)
+        out.tests = report.tests
+        if TIMED_OUT in text:
+            self._zero(out, GradeStatus.TEST_TIMEOUT, f"the tests ran past {self.options.test_timeout:g} s", task)
+            out.tests = report.tests
+            return
+        if contradicts_exit_code(statuses, parts.exit_code):
+            out.reward, out.resolved, out.resolution = 0.0, False, Resolution.NO
+            out.error = f"test command exited {parts.exit_code} but its log reports no failing test"
+            return
+        out.reward, out.resolved, out.resolution = report.reward, report.resolved, report.resolution

@@ -1,0 +1,64 @@
+"""OpenHands (software-agent SDK): the SDK's default agent, inside the trial container.
+
+The SDK needs Python >= 3.12; its venv and the interpreter it was made from are bind-mounted
+read-only into the container at their host paths, and the agent runs there with the ``subprocess``
+terminal (task images have no tmux), reaching the proxy through slirp4netns at 10.0.2.2. Its
+DockerWorkspace is not an option here: it needs a registry image and hard-codes ulimits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from legorl.harnesses.base import BaseHarness, End, Launch, ProcResult, TrialPaths, TrialSpec, container_url
+from legorl.sandbox.base import Sandbox
+
+RUNNER = Path(__file__).with_name("_openhands_runner.py")
+
+_API_ERROR_MARKERS = ("APIConnection", "ServiceUnavailable", "InternalServer", "BadRequest", "LLMError",
+                      "Timeout", "RateLimit", "NoResponse", "BadGateway", "APIError")
+
+
+class OpenHands(BaseHarness):
+    name = "openhands"
+    in_container = True
+
+    def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
+        shutil.copy(RUNNER, paths.host / RUNNER.name)
+        cfg = {
+            "api_base": container_url(trial.openai_base_url),
+            "model": trial.model,
+            "temperature": trial.temperature,
+            "task": trial.problem_statement,
+            "max_turns": trial.max_turns,
+            "workdir": trial.workdir,
+        }
+        (paths.host / "openhands.json").write_text(json.dumps(cfg, indent=2))
+        env = self.base_env(paths) | {
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "OPENHANDS_SUPPRESS_BANNER": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",  # the venv is mounted read-only
+        }
+        return Launch([self.install.python or "python3", paths.at(RUNNER.name), paths.at("openhands.json")], env)
+
+    def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
+        result_file = paths.host / "result.json"
+        if not result_file.exists():
+            return End.UNKNOWN if proc.timed_out else End.CRASHED, proc.log_tail.strip()[-500:] or None
+        result = json.loads(result_file.read_text())
+        status, code = result.get("status"), result.get("error_code") or ""
+        detail = f"{code}: {result.get('message')}" if code else result.get("exception")
+        if status == "finished":
+            return (End.SUBMITTED if result.get("finish_called") else End.FINISHED), detail
+        if code == "MaxIterationsReached":
+            return End.MAX_TURNS, detail
+        if "ContextWindow" in code:
+            return End.CONTEXT_OVERFLOW, detail
+        if status == "stuck":
+            return End.GAVE_UP, "stuck detector stopped the agent"
+        if any(marker in code for marker in _API_ERROR_MARKERS):
+            return End.API_ERROR, detail
+        return End.CRASHED, detail

@@ -1,0 +1,328 @@
+"""The proxy's HTTP surface: a plain ASGI app (no framework routing: the hot path is a couple of
+string checks, JSON in, JSON or SSE out).
+
+Routes (``<id>`` is a session id; ``?beta=true`` and other query strings are ignored):
+
+- ``POST /sess/<id>/v1/chat/completions`` — OpenAI chat completions (also ``/sess/<id>/chat/completions``)
+- ``POST /sess/<id>/v1/messages`` — Anthropic messages; ``POST /sess/<id>/v1/messages/count_tokens``
+- ``GET /v1/models``, ``GET /sess/<id>/v1/models`` — the served model (OpenAI + Anthropic fields)
+- ``GET /health``
+- ``POST /sessions`` — create a session: body ``{"budgets": {...}, "metadata": {...}}`` (both
+  optional); returns its id and base URLs
+- ``GET /sess/<id>/trajectory`` — the captured segments, calls and conversation as JSON
+- ``POST /sess/<id>/finish`` (or ``DELETE /sess/<id>``) — end the session: its capture is returned,
+  written as a shard when the proxy has a run directory, and dropped from memory
+- ``POST /v1/chat/completions``, ``POST /v1/messages`` — the ``default`` session
+
+Unknown session ids on the model routes create a session with the default budgets (harnesses
+cannot create sessions themselves; a per-trial URL is all they are given). ``/trajectory`` and
+``/finish`` of an unknown id are 404. With an API key, every route but ``/health`` needs it as
+``Authorization: Bearer`` or ``x-api-key``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from legorl.errors import LegorlError
+from legorl.proxy import anthropic_api, openai_api
+from legorl.proxy.budgets import Budgets
+from legorl.proxy.core import CallResult, ChatRequest, ContextOverflow, ProxyCore, Started, TextDelta
+from legorl.proxy.sessions import Session
+from legorl.proxy.validate import BadRequest
+
+log = logging.getLogger("legorl.proxy")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_SESSION_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_OPENAI_ROUTES = ("/v1/chat/completions", "/chat/completions")
+_ANTHROPIC_ROUTES = ("/v1/messages", "/messages")
+_COUNT_ROUTES = ("/v1/messages/count_tokens", "/messages/count_tokens")
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class ProxyApp:
+    def __init__(self, core: ProxyCore, api_key: str | None = None, auto_create: bool = True,
+                 max_body_bytes: int = 64 << 20):
+        self.core = core
+        self.api_key = api_key
+        self.auto_create = auto_create
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        api = "anthropic" if ("/messages" in path) else "openai"
+        try:
+            await self._route(scope, receive, send, path, method, api)
+        except BadRequest as exc:
+            await _error(send, api, exc.status, exc.message, exc.param, exc.code)
+        except ContextOverflow as exc:
+            if api == "anthropic":
+                await _error(send, api, 400, f"prompt is too long: {exc}")
+            else:
+                await _error(send, api, 400, f"This model's maximum context length was exceeded: {exc}",
+                             "messages", "context_length_exceeded")
+        except _Disconnected:
+            pass
+        except Exception as exc:  # a bug or an engine failure: a server error, logged, never a hang
+            log.exception("proxy request %s %s failed", method, path)
+            await _error(send, api, 500, f"internal error: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ routing
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, path: str, method: str, api: str) -> None:
+        if path == "/health":
+            await _json(send, 200, {"status": "ok", "model": self.core.engine.name,
+                                    "sessions": len(self.core.sessions)})
+            return
+        self._check_key(scope)
+        session_id: str | None = None
+        sub = path
+        if path.startswith("/sess/"):
+            session_id, _, rest = path[6:].partition("/")
+            sub = "/" + rest
+            if not _SESSION_ID.match(session_id):
+                raise BadRequest("malformed session id in the URL", status=404, code="not_found")
+        if sub in ("/v1/models", "/models"):
+            _require(method, "GET")
+            await _json(send, 200, self._models())
+            return
+        if session_id is None and sub == "/sessions":
+            _require(method, "POST")
+            await self._create_session(scope, await _body(receive, self.max_body, allow_empty=True), send)
+            return
+        if sub in _OPENAI_ROUTES or sub in _ANTHROPIC_ROUTES:
+            _require(method, "POST")
+            session = self._session(session_id or "default")
+            body = _parse_json(await _body(receive, self.max_body))
+            await self._chat(send, session, body, "anthropic" if sub in _ANTHROPIC_ROUTES else "openai")
+            return
+        if sub in _COUNT_ROUTES:
+            _require(method, "POST")
+            req, _ = anthropic_api.parse_request(_parse_json(await _body(receive, self.max_body)),
+                                                 self.core.engine.name)
+            await _json(send, 200, {"input_tokens": self._count(req)})
+            return
+        if session_id is not None and (sub == "/trajectory" or sub == "/"):
+            if sub == "/" and method == "DELETE":
+                await self._finish(send, session_id)
+                return
+            _require(method, "GET")
+            found = self.core.get(session_id)
+            if found is None:
+                raise BadRequest(f"unknown session {session_id}", status=404, code="not_found")
+            await _json(send, 200, found.capture().to_json())
+            return
+        if session_id is not None and sub == "/finish":
+            _require(method, "POST")
+            await self._finish(send, session_id)
+            return
+        raise BadRequest(f"no route {method} {path}", status=404, code="not_found")
+
+    def _check_key(self, scope: Scope) -> None:
+        if not self.api_key:
+            return
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization" and value.lower().startswith(b"bearer "):
+                given = value[7:].strip()
+            elif name == b"x-api-key":
+                given = value.strip()
+        if not hmac.compare_digest(given, self.api_key.encode()):
+            raise BadRequest("invalid API key", status=401, code="invalid_api_key")
+
+    def _session(self, session_id: str) -> Session:
+        session = self.core.get(session_id, create=self.auto_create)
+        if session is None:
+            raise BadRequest(f"unknown session {session_id}", status=404, code="not_found")
+        return session
+
+    def _models(self) -> dict[str, Any]:
+        name = self.core.engine.name
+        entry = {"id": name, "object": "model", "created": 0, "owned_by": "legorl", "type": "model",
+                 "display_name": name, "created_at": "1970-01-01T00:00:00Z",
+                 "max_model_len": self.core.engine.max_context}
+        return {"object": "list", "data": [entry], "has_more": False, "first_id": name, "last_id": name}
+
+    def _count(self, req: ChatRequest) -> int:
+        try:
+            text = self.core.renderer.render(req.messages, req.tools, add_generation_prompt=True)
+        except Exception as exc:
+            raise BadRequest(f"the chat template cannot render these messages: {exc}", "messages") from None
+        return len(self.core.renderer.encode(text))
+
+    async def _create_session(self, scope: Scope, raw: bytes, send: Send) -> None:
+        body = _parse_json(raw) if raw.strip() else {}
+        if not isinstance(body, dict):
+            raise BadRequest("body: expected an object")
+        try:
+            budgets = Budgets.from_dict(body.get("budgets"))
+        except LegorlError as exc:
+            raise BadRequest(str(exc), "budgets") from None
+        metadata = body.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise BadRequest("metadata: expected an object", "metadata")
+        session = self.core.new_session(budgets, metadata)
+        host = "localhost"
+        for name, value in scope.get("headers", []):
+            if name == b"host":
+                host = value.decode("latin-1")
+        base = f"http://{host}/sess/{session.id}"
+        await _json(send, 200, {"session_id": session.id, "base_url": base, "openai_base_url": base + "/v1",
+                                "anthropic_base_url": base, "budgets": session.budgets.to_dict()})
+
+    async def _finish(self, send: Send, session_id: str) -> None:
+        capture = self.core.finish(session_id)
+        if capture is None:
+            raise BadRequest(f"unknown session {session_id}", status=404, code="not_found")
+        await _json(send, 200, capture.to_json())
+
+    # ------------------------------------------------------------------ model calls
+
+    async def _chat(self, send: Send, session: Session, body: Any, api: str) -> None:
+        renderer = self.core.renderer
+        try:
+            if api == "openai":
+                req, oopts = openai_api.parse_request(body, self.core.engine.name)
+            else:
+                req, aopts = anthropic_api.parse_request(body, self.core.engine.name)
+        except BadRequest:
+            raise
+        except Exception as exc:  # input the validators did not foresee is still bad input
+            raise BadRequest(f"invalid request: {type(exc).__name__}: {exc}") from None
+        events = self.core.call(session, req)
+        if not req.stream:
+            result = await _consume(events)
+            out = openai_api.response(result, oopts, renderer) if api == "openai" else anthropic_api.response(result, aopts)
+            await _json(send, 200, out)
+            return
+        stream: openai_api.ChunkStream | anthropic_api.EventStream
+        stream = openai_api.ChunkStream(oopts) if api == "openai" else anthropic_api.EventStream(aopts)
+        started = False
+        alive = True
+        streamed = ""
+
+        async def emit(data: bytes) -> None:
+            nonlocal alive
+            if not alive or not data:
+                return
+            try:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            except Exception:  # the client went away: finish the call anyway so it is captured
+                alive = False
+
+        try:
+            async for ev in events:
+                if not started:
+                    started = True
+                    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+                    if isinstance(stream, anthropic_api.EventStream):
+                        await emit(stream.start(ev.prompt_tokens if isinstance(ev, Started) else 0))
+                    else:
+                        await emit(stream.start())
+                if isinstance(ev, TextDelta):
+                    streamed += ev.text
+                    await emit(stream.text(ev.text))
+                elif isinstance(ev, CallResult):
+                    await emit(stream.end(ev, streamed))
+        except Exception as exc:
+            if not started:
+                raise
+            log.exception("streamed call failed in session %s", session.id)
+            if api == "openai":
+                await emit(openai_api.sse(openai_api.error_body(str(exc), kind="server_error")))
+            else:
+                await emit(anthropic_api.event("error", anthropic_api.error_body(str(exc), "api_error")))
+        if alive:
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _consume(events: Any) -> CallResult:
+    result: CallResult | None = None
+    async for ev in events:
+        if isinstance(ev, CallResult):
+            result = ev
+    assert result is not None
+    return result
+
+
+def _require(method: str, expected: str) -> None:
+    if method != expected:
+        raise BadRequest(f"method {method} not allowed here (use {expected})", status=405, code="method_not_allowed")
+
+
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+
+
+async def _body(receive: Receive, limit: int, allow_empty: bool = False) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise _Disconnected()
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"request body over {limit} bytes", status=413, code="request_too_large")
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    raw = b"".join(chunks)
+    if not raw and not allow_empty:
+        raise BadRequest("empty request body: expected JSON")
+    return raw
+
+
+async def _json(send: Send, status: int, data: Any) -> None:
+    body = openai_api.dumps(data)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+_ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    405: "invalid_request_error", 413: "request_too_large", 500: "api_error"}
+_OPENAI_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
+
+
+async def _error(send: Send, api: str, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+    if api == "anthropic":
+        body = anthropic_api.error_body(message, _ANTHROPIC_KINDS.get(status, "invalid_request_error"))
+    else:
+        body = openai_api.error_body(message, param, _OPENAI_KINDS.get(status, "invalid_request_error"), code)
+    with contextlib.suppress(Exception):  # headers already sent or client gone
+        await _json(send, status, body)

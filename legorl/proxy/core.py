@@ -1,0 +1,264 @@
+"""The protocol-independent heart of the proxy: sessions, and one model call from canonical
+messages to a captured, parsed reply.
+
+The HTTP layer (``app.py``) turns OpenAI / Anthropic requests into a :class:`ChatRequest` and the
+events of :meth:`ProxyCore.call` (text deltas, then one :class:`CallResult`) into responses.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from legorl.engines import PromptTooLong
+from legorl.engines.base import Engine, Generation, SamplingParams
+from legorl.proxy import budgets as B
+from legorl.proxy.budgets import Budgets
+from legorl.proxy.render import ChatRenderer
+from legorl.proxy.sessions import Message, Plan, Session, SessionCapture, new_session_id
+from legorl.proxy.textstream import TextAssembler
+from legorl.proxy.toolparse import ParsedOutput, ToolCall, ToolParser, detect_parser
+from legorl.proxy.validate import BadRequest
+from legorl.schemas import Call
+
+
+@dataclass
+class ChatRequest:
+    """A model call in canonical form (OpenAI-style messages), whichever API it came from."""
+
+    api: str  # "openai" | "anthropic"
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    parse_tools: bool = True  # False for tool_choice "none"
+    stream: bool = False
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Started:
+    """The prompt is placed and generation begins (streams send their headers now)."""
+
+    prompt_tokens: int
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class CallResult:
+    content: str
+    tool_calls: list[ToolCall]
+    finish: str  # "stop" | "length" | "tool_calls" | "stop_sequence"
+    prompt_tokens: int
+    completion_tokens: int
+    stop_sequence: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    parse_error: str | None = None
+    budget_stop: str | None = None
+
+
+class ContextOverflow(Exception):
+    """The prompt does not fit the context and the session's budgets ask for an error reply."""
+
+
+class ProxyCore:
+    def __init__(
+        self,
+        engine: Engine,
+        renderer: ChatRenderer,
+        parser: ToolParser | None = None,
+        default_budgets: Budgets | None = None,
+        on_finish: Callable[[SessionCapture], None] | None = None,
+    ):
+        self.engine = engine
+        self.renderer = renderer
+        self.parser = parser or detect_parser(renderer.chat_template)
+        self.default_budgets = default_budgets or Budgets()
+        self.on_finish = on_finish
+        self.sessions: dict[str, Session] = {}
+        self._mu = threading.Lock()
+
+    # ------------------------------------------------------------------ sessions
+
+    def new_session(self, budgets: Budgets | None = None, metadata: dict[str, Any] | None = None,
+                    session_id: str | None = None) -> Session:
+        sid = session_id or new_session_id()
+        session = Session(sid, self.renderer, budgets or self.default_budgets, metadata, model=self.engine.name)
+        with self._mu:
+            self.sessions.setdefault(sid, session)
+            return self.sessions[sid]
+
+    def get(self, session_id: str, create: bool = False) -> Session | None:
+        session = self.sessions.get(session_id)
+        if session is None and create:
+            session = self.new_session(session_id=session_id)
+        return session
+
+    def finish(self, session_id: str) -> SessionCapture | None:
+        with self._mu:
+            session = self.sessions.pop(session_id, None)
+        if session is None:
+            return None
+        capture = session.capture()
+        if self.on_finish is not None:
+            self.on_finish(capture)
+        return capture
+
+    def finish_all(self) -> list[SessionCapture]:
+        return [c for sid in list(self.sessions) if (c := self.finish(sid)) is not None]
+
+    # ------------------------------------------------------------------ one call
+
+    async def call(self, session: Session, req: ChatRequest) -> AsyncIterator[Started | TextDelta | CallResult]:
+        """Run one model call for ``session``: yields Started, content deltas (streaming only), the result.
+
+        A budget stop yields only the result."""
+        async with session.lock:
+            started = time.time()
+            t0 = time.perf_counter()
+            call = Call(index=0, api=req.api, stream=req.stream, segment=-1, started_at=started)
+            budgets = session.budgets
+            stop = budgets.check_before_call(session.turns, session.total_tokens(), session.created_at)
+            if stop is None:
+                try:
+                    plan = session.plan(req.messages, req.tools)
+                except Exception as exc:  # the template rejects these messages (or they nest absurdly)
+                    raise BadRequest(f"the chat template cannot render these messages: "
+                                     f"{type(exc).__name__}: {exc}", "messages") from None
+                ctx = min(self.engine.max_context, budgets.max_context or self.engine.max_context)
+                room = ctx - len(plan.prompt_ids)
+                if room < 1:
+                    if budgets.context_overflow == "error":
+                        raise ContextOverflow(
+                            f"the prompt has {len(plan.prompt_ids)} tokens; the context holds {ctx}"
+                        )
+                    stop = B.CONTEXT_OVERFLOW
+            if stop is not None:
+                result = self._budget_stop(session, req, stop, call, t0)
+                yield result
+                return
+            max_new = room
+            for cap in (req.max_tokens, budgets.max_tokens_per_call):
+                if cap is not None:
+                    max_new = min(max_new, cap)
+            if budgets.max_total_tokens is not None:
+                max_new = min(max_new, budgets.max_total_tokens - session.total_tokens() - len(plan.new_ids))
+                if max_new < 1:
+                    yield self._budget_stop(session, req, B.MAX_TOTAL_TOKENS, call, t0)
+                    return
+            params = SamplingParams(
+                max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                stop_token_ids=self.renderer.stop_token_ids, seed=req.seed,
+            )
+            yield Started(len(plan.prompt_ids))
+            marker = self.parser.start_marker if (req.tools and req.parse_tools) else None
+            text = TextAssembler(self.renderer.decode, self.renderer.stop_token_ids, req.stop, marker)
+            try:
+                if req.stream or req.stop:
+                    gen: Generation | None = None
+                    seen_lps: list[float] = []
+                    stream = self.engine.stream(plan.prompt_ids, params)
+                    try:
+                        async for chunk in stream:
+                            if call.ttft_s is None and chunk.token_ids:
+                                call.ttft_s = time.perf_counter() - t0
+                            seen_lps.extend(chunk.logprobs)
+                            cut = False
+                            for tid in chunk.token_ids:
+                                if text.push(tid):
+                                    cut = True
+                                    break
+                            if req.stream and (delta := text.content_delta()):
+                                yield TextDelta(delta)
+                            if chunk.final is not None:
+                                gen = chunk.final
+                            if cut:
+                                break
+                    finally:
+                        await stream.aclose()  # type: ignore[attr-defined]
+                    if text.cut is not None:
+                        # Cut after the token that completed a stop string (see textstream.py); the
+                        # routing is only known when the engine got to report its final chunk.
+                        kept = text.kept_ids()
+                        routed = gen.routed_experts if gen else None
+                        gen = Generation(
+                            token_ids=kept,
+                            logprobs=seen_lps[: len(kept)],
+                            finish_reason="stop",
+                            routed_experts=None if routed is None else routed[: len(plan.prompt_ids) + len(kept)],
+                            prompt_tokens=len(plan.prompt_ids),
+                        )
+                    elif gen is None:
+                        raise RuntimeError("the engine's stream ended without a final chunk")
+                else:
+                    gen = await self.engine.generate(plan.prompt_ids, params)
+                    for tid in gen.token_ids:
+                        text.push(tid)
+            except PromptTooLong:
+                if budgets.context_overflow == "error":
+                    raise ContextOverflow("the prompt does not fit the engine's context") from None
+                yield self._budget_stop(session, req, B.CONTEXT_OVERFLOW, call, t0)
+                return
+            result = self._finish(session, req, plan, gen, text, call, t0)
+            yield result
+
+    def _finish(self, session: Session, req: ChatRequest, plan: Plan, gen: Generation, text: TextAssembler,
+                call: Call, t0: float) -> CallResult:
+        raw = text.finish()
+        parsed = self.parser.parse(raw) if (req.tools and req.parse_tools) else ParsedOutput(content=raw)
+        content = parsed.content
+        if req.stream and not content.startswith(text.emitted):
+            content = text.emitted + content  # what was streamed stays part of the reply
+        prefix = "toolu_" if req.api == "anthropic" else "call_"
+        for tc in parsed.tool_calls:
+            tc.id = prefix + secrets.token_hex(12)
+        if text.stop_sequence is not None:
+            finish = "stop_sequence"
+        elif parsed.tool_calls:
+            finish = "tool_calls"
+        else:
+            finish = "length" if gen.finish_reason == "length" else "stop"
+        reply: Message = {"role": "assistant", "content": content}
+        if parsed.tool_calls:
+            reply["tool_calls"] = [
+                {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json()}}
+                for tc in parsed.tool_calls
+            ]
+        segment = session.commit(plan, gen, reply)
+        call.segment = segment
+        call.latency_s = time.perf_counter() - t0
+        call.prompt_tokens = len(plan.prompt_ids)
+        call.new_prompt_tokens = len(plan.new_ids)
+        call.completion_tokens = len(gen.token_ids)
+        call.finish_reason = finish
+        call.parse_error = parsed.error
+        session.record_call(call)
+        return CallResult(
+            content=content, tool_calls=parsed.tool_calls, finish=finish,
+            prompt_tokens=len(plan.prompt_ids), completion_tokens=len(gen.token_ids),
+            stop_sequence=text.stop_sequence, prompt_ids=plan.prompt_ids, token_ids=list(gen.token_ids),
+            logprobs=list(gen.logprobs), parse_error=parsed.error,
+        )
+
+    def _budget_stop(self, session: Session, req: ChatRequest, reason: str, call: Call, t0: float) -> CallResult:
+        content = B.stop_message(reason, session.budgets)
+        session.record_stop(reason, req.messages, {"role": "assistant", "content": content})
+        call.latency_s = time.perf_counter() - t0
+        call.finish_reason = "stop"
+        call.budget_stop = reason
+        session.record_call(call)
+        return CallResult(content=content, tool_calls=[], finish="stop", prompt_tokens=0, completion_tokens=0,
+                          budget_stop=reason)

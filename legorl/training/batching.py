@@ -1,0 +1,134 @@
+"""Batches of whole groups, and padding segments into the tensors TRL's loss expects.
+
+TRL's ``_compute_loss`` takes ``prompt_ids`` (left part) and ``completion_ids`` (right part) and
+scores only the completion part. A segment is not a prompt and a completion: it is a prompt, then
+sampled turns interleaved with tool output. We cut every row of a batch at the same place ``P``,
+the earliest first sampled token in the batch, so the "prompt" part needs no padding at all and
+the "completion" part is right-padded; the loss mask (``tool_mask`` in TRL) keeps only sampled
+tokens. The padded width is the longest segment, never ``max prompt + max completion``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Sampler
+
+from legorl.training.data import StepData, TrainSequence
+
+
+def make_batches(data: StepData, groups_per_batch: int | None, seed: int) -> list[list[int]]:
+    """Generation batches as lists of sequence indices; each holds whole groups (shuffled, seeded)."""
+    groups = list(data.groups().values())
+    random.Random(seed).shuffle(groups)
+    size = groups_per_batch or len(groups)
+    batches = []
+    for start in range(0, len(groups), size):
+        seqs = [s for trial_ids in groups[start : start + size] for t in trial_ids for s in data.trials[t].sequences]
+        batches.append(seqs)
+    return batches
+
+
+class GroupBatchSampler(Sampler[list[int]]):
+    """Yields each generation batch ``repeat`` times in a row (TRL reuses it for that many micro-steps)."""
+
+    def __init__(self, batches: list[list[int]], repeat: int):
+        self.batches = batches
+        self.repeat = repeat
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches:
+            for _ in range(self.repeat):
+                yield batch
+
+    def __len__(self) -> int:
+        return len(self.batches) * self.repeat
+
+
+@dataclass
+class Padded:
+    prompt_ids: torch.Tensor  # (B, P)
+    completion_ids: torch.Tensor  # (B, C)
+    completion_mask: torch.Tensor  # (B, C) 1 on real tokens (attention)
+    loss_mask: torch.Tensor  # (B, C) 1 on sampled tokens
+    rollout_logps: torch.Tensor  # (B, C)
+    routing: torch.Tensor | None  # (B, P + C, layers, top_k), -1 on padding / unknown
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([torch.ones_like(self.prompt_ids), self.completion_mask], dim=1)
+
+
+def pad(seqs: Sequence[TrainSequence], pad_id: int) -> Padded:
+    cut = min(s.first_sampled for s in seqs)
+    width = max(len(s) for s in seqs)
+    n = len(seqs)
+    if cut < 1:
+        raise ValueError(f"a segment samples its first token with no context: {[s.trial_id for s in seqs]}")
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    real = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.float32)
+    logps = torch.zeros((n, width), dtype=torch.float32)
+    with_routing = [s.routed_experts for s in seqs if s.routed_experts is not None]
+    routing = None
+    if with_routing:
+        layers, top_k = with_routing[0].shape[1:]
+        routing = torch.full((n, width, layers, top_k), -1, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        t = len(s)
+        ids[i, :t] = torch.from_numpy(s.token_ids)
+        real[i, :t] = 1
+        mask[i, :t] = torch.from_numpy(s.loss_mask)
+        logps[i, :t] = torch.from_numpy(s.logprobs)
+        if routing is not None and s.routed_experts is not None:
+            routing[i, :t] = torch.from_numpy(s.routed_experts.astype("int64"))
+    return Padded(
+        prompt_ids=ids[:, :cut],
+        completion_ids=ids[:, cut:],
+        completion_mask=real[:, cut:],
+        loss_mask=mask[:, cut:],
+        rollout_logps=logps[:, cut:],
+        routing=routing,
+    )
+
+
+def split(batch: dict[str, object], chunks: int, generator: torch.Generator) -> list[dict[str, object]]:
+    """Shuffle rows and cut into ``chunks`` micro-batches (sizes differ by at most one, none dropped);
+    each keeps only the completion columns some of its rows use."""
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
+    n = next(iter(tensors.values())).shape[0]
+    order = torch.randperm(n, generator=generator)
+    out = []
+    for part in torch.tensor_split(order, min(chunks, n)):
+        piece: dict[str, object] = {}
+        for key, value in batch.items():
+            piece[key] = value[part] if key in tensors else value  # type: ignore[index]
+        out.append(_trim(piece))
+    return out
+
+
+def _trim(piece: dict[str, object]) -> dict[str, object]:
+    mask = piece["completion_mask"]
+    assert isinstance(mask, torch.Tensor)
+    used = int(mask.sum(0).nonzero().max()) + 1 if mask.any() else 1
+    full = mask.shape[1]
+    if used == full:
+        return piece
+    prompt = piece["prompt_ids"]
+    assert isinstance(prompt, torch.Tensor)
+    for key in ("completion_ids", "completion_mask", "tool_mask", "advantages", "old_per_token_logps",
+                "rollout_logps"):
+        value = piece.get(key)
+        if isinstance(value, torch.Tensor) and value.ndim == 2 and value.shape[1] == full:
+            piece[key] = value[:, :used]
+    routing = piece.get("routed_experts")
+    if isinstance(routing, torch.Tensor):
+        piece["routed_experts"] = routing[:, : prompt.shape[1] + used]
+    return piece

@@ -1,0 +1,184 @@
+"""From shards to training sequences: join rollouts with grades, drop infrastructure failures.
+
+One *trial* (a row of ``rollouts/``) becomes one or more *sequences*, one per segment, each with
+its own loss mask, rollout logprobs and routing. What is left out, and why:
+
+- trials marked ``infra_failure`` by the rollout stage, and trials whose grading failed for
+  infrastructure reasons (``infra_failure`` / status ``infra_error`` / no reward): they leave their
+  group entirely, so they neither enter the baseline as reward 0 nor get gradient;
+- segments whose reason is not trained on (auxiliary calls by default) or that hold no sampled token.
+
+Advantages are then set per trial (:mod:`legorl.training.advantages`) and shared by its segments.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+
+from legorl import shards
+from legorl.errors import LegorlError
+from legorl.paths import RunDir
+from legorl.schemas import GradeStatus, Kind, SegmentReason
+
+_ROLLOUT_COLUMNS = ["task_id", "harness", "step", "group_id", "infra_failure", "segments"]
+
+
+@dataclass
+class TrainSequence:
+    """One segment, ready to be padded into a batch."""
+
+    trial_id: str
+    group_id: str
+    harness: str
+    segment_index: int
+    reason: str
+    token_ids: np.ndarray  # int64 [T]
+    loss_mask: np.ndarray  # float32 [T], 1 on sampled tokens
+    logprobs: np.ndarray  # float32 [T], rollout logprobs (0 where the mask is 0)
+    routed_experts: np.ndarray | None  # int16 [T, moe_layers, top_k]
+    reward: float
+    advantage: float = 0.0
+    scale: float = 1.0  # per-token weight factor of this segment (see weighting.py)
+
+    @property
+    def n_sampled(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def first_sampled(self) -> int:
+        return int(np.argmax(self.loss_mask > 0))
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass
+class Trial:
+    trial_id: str
+    group_id: str
+    harness: str
+    reward: float
+    resolved: bool
+    sequences: list[int] = field(default_factory=list)  # indices into StepData.sequences
+    advantage: float = 0.0
+
+    def n_sampled(self, data: StepData) -> int:
+        return sum(data.sequences[i].n_sampled for i in self.sequences)
+
+
+@dataclass
+class StepData:
+    step: int
+    trials: list[Trial]
+    sequences: list[TrainSequence]
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def harnesses(self) -> list[str]:
+        return sorted({t.harness for t in self.trials})
+
+    def groups(self) -> dict[str, list[int]]:
+        """group_id -> trial indices, in first-seen order."""
+        out: dict[str, list[int]] = {}
+        for i, t in enumerate(self.trials):
+            out.setdefault(t.group_id, []).append(i)
+        return out
+
+
+def available_steps(run: RunDir) -> list[int]:
+    table = shards.read(run.rollouts, Kind.ROLLOUTS, columns=["step"]).table
+    return sorted({int(s) for s in table.column("step").to_pylist()})
+
+
+def _grade_failed(grade: dict[str, Any]) -> bool:
+    return bool(grade["infra_failure"]) or grade["status"] == GradeStatus.INFRA_ERROR or grade["reward"] is None
+
+
+def load_step(
+    run: RunDir,
+    step: int | None = None,
+    reasons: tuple[str, ...] = (SegmentReason.MAIN, SegmentReason.REWRITE, SegmentReason.SUBAGENT),
+) -> StepData:
+    """The trials of policy step ``step`` (default: the latest) joined with their grades."""
+    # A full read validates every file (segment arrays aligned, enums known) before we use it.
+    table = shards.read(run.rollouts, Kind.ROLLOUTS).table.select(["trial_id", *_ROLLOUT_COLUMNS])
+    if table.num_rows == 0:
+        raise LegorlError(f"{run.rollouts}: no rollouts to train on (run `legorl rollout --run {run.root}` first)")
+    steps = sorted({int(s) for s in table.column("step").to_pylist()})
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise LegorlError(f"{run.rollouts}: no rollouts for step {step} (steps present: {steps})")
+    table = table.filter(pc.equal(table.column("step"), step))
+
+    grades = {
+        g["trial_id"]: g
+        for g in shards.read(
+            run.grades, Kind.GRADES, columns=["reward", "resolved", "status", "infra_failure"]
+        ).table.to_pylist()
+    }
+    rows = table.to_pylist()
+    ungraded = [r["trial_id"] for r in rows if r["trial_id"] not in grades and not r["infra_failure"]]
+    if ungraded:
+        raise LegorlError(
+            f"{run.grades}: {len(ungraded)} trial(s) of step {step} have no grade (first: {ungraded[0]}); "
+            f"run `legorl grade --run {run.root}` first"
+        )
+
+    data = StepData(step=step, trials=[], sequences=[])
+    for row in rows:
+        if row["infra_failure"]:
+            data.dropped["rollout_infra_failure"] += 1
+            continue
+        grade = grades[row["trial_id"]]
+        if _grade_failed(grade):
+            data.dropped["grade_infra_error"] += 1
+            continue
+        trial = Trial(
+            trial_id=row["trial_id"], group_id=row["group_id"], harness=row["harness"],
+            reward=float(grade["reward"]), resolved=bool(grade["resolved"]),
+        )
+        for index, seg in enumerate(row["segments"] or []):
+            sequence = _sequence(row, trial, index, seg)
+            if sequence.reason not in reasons:
+                data.dropped[f"segment_{sequence.reason}"] += 1
+                continue
+            if sequence.n_sampled == 0 or sequence.first_sampled == 0:
+                # Nothing sampled, or a first token with no context to score it from.
+                data.dropped["segment_without_sampled_tokens"] += 1
+                continue
+            trial.sequences.append(len(data.sequences))
+            data.sequences.append(sequence)
+        if not trial.sequences:
+            data.dropped["trial_without_sampled_tokens"] += 1
+            continue
+        data.trials.append(trial)
+    if not data.trials:
+        raise LegorlError(f"{run.root}: step {step} has no trainable trials (dropped: {dict(data.dropped)})")
+    return data
+
+
+def _sequence(row: dict[str, Any], trial: Trial, index: int, seg: dict[str, Any]) -> TrainSequence:
+    token_ids = np.asarray(seg["token_ids"], dtype=np.int64)
+    routed = seg.get("routed_experts")
+    routing = None
+    if routed is not None:
+        layers, top_k = int(seg["routing_layers"]), int(seg["routing_top_k"])
+        routing = np.asarray(routed, dtype=np.int16).reshape(len(token_ids), layers, top_k)
+    return TrainSequence(
+        trial_id=row["trial_id"],
+        group_id=row["group_id"],
+        harness=row["harness"],
+        segment_index=index,
+        reason=seg["reason"],
+        token_ids=token_ids,
+        loss_mask=np.asarray(seg["loss_mask"], dtype=np.float32),
+        logprobs=np.asarray(seg["logprobs"], dtype=np.float32),
+        routed_experts=routing,
+        reward=trial.reward,
+    )

@@ -1,0 +1,71 @@
+"""Importance weights against the policy that sampled the rollouts.
+
+The engine that generated (vLLM, bf16, another batch shape) is never exactly the trainer's model.
+With ``mu`` the rollout policy (its logprobs are stored in the segments) and ``pi_old`` the trainer's
+model before the update, the gradient is corrected by
+
+    token:     w_t = min(pi_old(y_t) / mu(y_t), C)                  (truncated IS, per token)
+    sequence:  w   = min(prod_t pi_old(y_t) / mu(y_t), C)            (one weight per segment)
+    none:      w   = 1
+
+over the sampled tokens (mask 1). The weight multiplies the per-token advantage; because it is
+positive and detached that is the same loss as TRL's own vLLM correction (which multiplies the
+clipped per-token loss by it), so TRL's losses are reused unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class WeightStats:
+    mean: float
+    min: float
+    max: float
+    truncated: float  # share of weights that hit the cap
+    ess: float  # effective sample size / n, in (0, 1]
+
+    def as_dict(self, prefix: str = "is/") -> dict[str, float]:
+        return {
+            f"{prefix}weight_mean": self.mean,
+            f"{prefix}weight_min": self.min,
+            f"{prefix}weight_max": self.max,
+            f"{prefix}truncated_frac": self.truncated,
+            f"{prefix}ess": self.ess,
+        }
+
+
+def importance_weights(
+    old_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, level: str, cap: float
+) -> tuple[torch.Tensor, WeightStats]:
+    """Weights of shape (B, T) (1 where the mask is 0) and their statistics over the sampled tokens."""
+    log_ratio = (old_logps - rollout_logps) * mask
+    if level == "token":
+        raw = torch.exp(log_ratio)
+        weights = torch.clamp(raw, max=cap)
+        values, raw_values = weights[mask > 0], raw[mask > 0]
+    elif level == "sequence":
+        raw = torch.exp(log_ratio.sum(-1, keepdim=True))
+        weights = torch.clamp(raw, max=cap).expand_as(mask)
+        values, raw_values = weights[:, 0], raw[:, 0]
+    elif level == "none":
+        weights = torch.ones_like(mask)
+        values = raw_values = weights[mask > 0]
+    else:
+        raise ValueError(f"unknown importance sampling level {level!r}")
+    weights = torch.where(mask > 0, weights, torch.ones_like(weights))
+    return weights.detach(), _stats(values, raw_values, cap)
+
+
+def _stats(values: torch.Tensor, raw: torch.Tensor, cap: float) -> WeightStats:
+    if values.numel() == 0:
+        return WeightStats(1.0, 1.0, 1.0, 0.0, 1.0)
+    v = values.double()
+    ess = float(v.sum() ** 2 / (v.numel() * (v**2).sum()))
+    return WeightStats(
+        mean=float(v.mean()), min=float(v.min()), max=float(v.max()),
+        truncated=float((raw > cap).double().mean()), ess=ess,
+    )

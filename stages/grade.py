@@ -1,0 +1,180 @@
+"""The grade stage: rollouts (or gold patches, or SWE-bench predictions) + tasks -> grade rows.
+
+Resumable: trials already graded (a grade row that is not an infrastructure failure) are skipped,
+rows are committed one part file per grade as they finish, and containers a killed earlier run
+left behind are reaped first. So after a SIGKILL a rerun loses nothing that was written and
+grades nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from legorl import shards
+from legorl.errors import LegorlError
+from legorl.grading.grader import GradeOptions, Grader
+from legorl.schemas import GradeRow, GradeStatus, Kind, TaskRow, trial_key
+
+GOLD_HARNESS = "gold"
+
+
+@dataclass
+class Job:
+    trial_id: str
+    task_id: str
+    patch: str | None
+    harness: str | None = None
+    step: int | None = None
+
+
+@dataclass
+class GradeSummary:
+    graded: int = 0
+    skipped: int = 0  # already graded
+    by_status: dict[str, int] = field(default_factory=dict)
+    resolved: int = 0
+    infra_errors: int = 0
+    mean_reward: float | None = None
+    mean_seconds: float | None = None
+    wall_s: float = 0.0
+    rows: list[GradeRow] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "graded": self.graded, "skipped": self.skipped, "by_status": self.by_status, "resolved": self.resolved,
+            "infra_errors": self.infra_errors, "mean_reward": self.mean_reward, "mean_seconds": self.mean_seconds,
+            "wall_s": round(self.wall_s, 3),
+            "grades": [{"trial_id": r.trial_id, "task_id": r.task_id, "status": r.status, "reward": r.reward,
+                        "resolution": r.resolution, "dropped_paths": r.dropped_paths, "apply_method": r.apply_method,
+                        "duration_s": r.duration_s, "error": r.error} for r in self.rows],
+        }
+
+
+def gold_jobs(tasks: dict[str, TaskRow]) -> list[Job]:
+    return [Job(trial_key(t.instance_id, GOLD_HARNESS, 0, 0), t.instance_id, t.patch, GOLD_HARNESS, 0)
+            for t in tasks.values()]
+
+
+def prediction_jobs(path: Path, tasks: dict[str, TaskRow]) -> list[Job]:
+    """SWE-bench predictions: a JSON list / JSONL of ``{instance_id, model_patch[, model_name_or_path]}``
+    (a JSON object keyed by instance id works too)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise LegorlError(f"{path}: cannot read predictions ({exc.strerror})") from exc
+    try:
+        data = json.loads(text)
+        items = list(data.values()) if isinstance(data, dict) else data
+    except json.JSONDecodeError:
+        try:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise LegorlError(f"{path}: neither JSON nor JSON lines ({exc.msg})") from exc
+    jobs: dict[str, Job] = {}
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("instance_id"), str):
+            raise LegorlError(f"{path}: prediction {index}: field 'instance_id': missing")
+        iid = item["instance_id"]
+        if iid not in tasks:
+            raise LegorlError(f"{path}: prediction {index}: field 'instance_id': no task {iid!r} in the task set")
+        patch = item.get("model_patch")
+        if patch is not None and not isinstance(patch, str):
+            raise LegorlError(f"{path}: prediction {index} ({iid}): field 'model_patch': not a string")
+        harness = str(item.get("model_name_or_path") or "predictions")
+        key = trial_key(iid, harness, 0, 0)
+        if key in jobs:
+            raise LegorlError(f"{path}: prediction {index} ({iid}): a second prediction for this instance")
+        jobs[key] = Job(key, iid, patch, harness, 0)
+    return list(jobs.values())
+
+
+def rollout_jobs(rollouts_dir: Path) -> tuple[list[Job], int]:
+    """Trials to grade from rollouts, and how many were infrastructure failures (never graded)."""
+    table = shards.read(rollouts_dir, Kind.ROLLOUTS,
+                        columns=["task_id", "harness", "step", "patch", "infra_failure"]).table
+    jobs, infra = [], 0
+    for row in table.to_pylist():
+        if row["infra_failure"]:
+            infra += 1
+            continue
+        jobs.append(Job(row["trial_id"], row["task_id"], row["patch"], row["harness"], row["step"]))
+    return jobs, infra
+
+
+def grade_stage(
+    tasks_dir: Path, out_dir: Path, jobs: list[Job], *, concurrency: int = 2, timeout: float = 600.0,
+    image: str | None = None, run_label: str | None = None, reap: bool = True,
+    on_start: Callable[[int, int], None] | None = None, on_done: Callable[[GradeRow], None] | None = None,
+) -> GradeSummary:
+    """Grade ``jobs`` (skipping those already graded in ``out_dir``) with ``concurrency`` workers."""
+    import time
+
+    tasks = {t.instance_id: t for t in shards.read_rows(tasks_dir, Kind.TASKS)}
+    missing = sorted({j.task_id for j in jobs} - tasks.keys())
+    if missing:
+        raise LegorlError(f"{tasks_dir}: no task {missing[0]!r} ({len(missing)} trial task id(s) unknown)")
+    if reap:
+        from legorl.sandbox.reaper import reap as do_reap
+
+        do_reap()
+    done = shards.already_done(out_dir, Kind.GRADES)
+    todo = [j for j in jobs if j.trial_id not in done]
+    summary = GradeSummary(skipped=len(jobs) - len(todo))
+    if on_start:
+        on_start(len(todo), summary.skipped)
+    labels = {"run": run_label} if run_label else {}
+    grader = Grader(GradeOptions(test_timeout=timeout, default_image=image, labels=labels))
+    start = time.monotonic()
+    with shards.ShardWriter(out_dir, Kind.GRADES, rows_per_file=1) as writer:
+        for row in _run(grader, tasks, todo, concurrency):
+            writer.add(row)
+            summary.rows.append(row)
+            if on_done:
+                on_done(row)
+    summary.wall_s = time.monotonic() - start
+    rows = summary.rows
+    summary.graded = len(rows)
+    for r in rows:
+        summary.by_status[r.status] = summary.by_status.get(r.status, 0) + 1
+    summary.resolved = sum(bool(r.resolved) for r in rows)
+    summary.infra_errors = sum(r.infra_failure for r in rows)
+    rewards = [r.reward for r in rows if r.reward is not None]
+    summary.mean_reward = round(statistics.fmean(rewards), 4) if rewards else None
+    times = [r.duration_s for r in rows if r.duration_s is not None and r.status != GradeStatus.EMPTY_PATCH]
+    summary.mean_seconds = round(statistics.fmean(times), 3) if times else None
+    return summary
+
+
+def _run(grader: Grader, tasks: dict[str, TaskRow], jobs: list[Job], concurrency: int) -> Iterator[GradeRow]:
+    """Grade rows as they finish; at most ``concurrency`` in flight."""
+    pending = iter(jobs)
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        running: set[Future[GradeRow]] = set()
+
+        def submit() -> bool:
+            job = next(pending, None)
+            if job is None:
+                return False
+            running.add(pool.submit(grader.grade, tasks[job.task_id], job.patch, job.trial_id,
+                                    harness=job.harness, step=job.step))
+            return True
+
+        for _ in range(max(1, concurrency)):
+            if not submit():
+                break
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                running.discard(future)
+                yield future.result()
+                submit()
+
+
+def default_concurrency() -> int:
+    return max(1, min(4, (os.cpu_count() or 2)))

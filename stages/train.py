@@ -1,0 +1,264 @@
+"""The train stage: ``rollouts/`` + ``grades/`` of one policy step -> a checkpoint and ``train/metrics/``.
+
+Checkpoint naming: ``train/checkpoints/step-<S>`` is the policy after training on the rollouts of
+step S, i.e. the policy that samples step S+1. It is a Hugging Face model folder (weights,
+config, tokenizer) plus the trainer's state (optimizer, LR schedule, RNG, ``trainer_state.json``)
+and ``legorl_train.json`` (what went in, the step's metrics); ``train/checkpoints/latest`` names
+the newest one.
+
+Resume (``resume=True``): an interrupted step continues from its last saved update (TRL saves one
+at every generation-batch boundary under ``step-<S>.partial/``), which reproduces the
+uninterrupted run exactly; otherwise training starts from ``latest`` and carries its optimizer
+and LR schedule into the new step. Without ``resume`` the step starts from ``model_dir`` with a
+fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from legorl.errors import LegorlError
+from legorl.paths import RunDir
+from legorl.training.advantages import group_advantages
+from legorl.training.batching import make_batches
+from legorl.training.config import TrainConfig
+from legorl.training.data import StepData, load_step
+from legorl.training.metrics import MetricsRecorder, harness_split
+from legorl.training.weighting import segment_scales
+
+LATEST = "latest"
+INFO_FILE = "legorl_train.json"
+
+
+@dataclass
+class TrainResult:
+    step: int
+    checkpoint: Path
+    updates: int
+    trials: int
+    sequences: int
+    dropped: dict[str, int]
+    metrics: dict[str, float] = field(default_factory=dict)
+    started_from: str = ""
+    already_done: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "checkpoint": str(self.checkpoint), "updates": self.updates, "trials": self.trials,
+            "sequences": self.sequences, "dropped": self.dropped, "metrics": self.metrics,
+            "started_from": self.started_from, "already_done": self.already_done,
+        }
+
+
+def train_step(
+    run_dir: str | os.PathLike[str], model_dir: str | os.PathLike[str], step: int | None, config: TrainConfig,
+    *, resume: bool = False,
+) -> Path:
+    """Train on the rollouts of ``step`` (None: the latest) and return the new checkpoint's path.
+
+    The entry point of the online loop: rollout -> grade -> ``train_step`` -> engine loads the path.
+    """
+    return run_train(run_dir, model_dir, step, config, resume=resume).checkpoint
+
+
+def latest_checkpoint(checkpoints: Path) -> Path | None:
+    pointer = checkpoints / LATEST
+    if not pointer.exists():
+        return None
+    target = checkpoints / pointer.read_text().strip()
+    return target if (target / "config.json").exists() else None
+
+
+def _write_latest(checkpoints: Path, name: str) -> None:
+    tmp = checkpoints / f".{LATEST}.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, checkpoints / LATEST)
+
+
+def _checkpoint_number(path: Path) -> int:
+    return int(path.name.rsplit("-", 1)[-1])
+
+
+def prepare(data: StepData, config: TrainConfig) -> MetricsRecorder:
+    """Set advantages and segment weights on ``data``; return the step-level metrics."""
+    advantages, stats = group_advantages(
+        [t.reward for t in data.trials], [t.group_id for t in data.trials], config.reward_scale
+    )
+    for trial, advantage in zip(data.trials, advantages, strict=True):
+        trial.advantage = float(advantage)
+        for i in trial.sequences:
+            data.sequences[i].advantage = float(advantage)
+    for seq, scale in zip(data.sequences, segment_scales(data, config.loss, config.weighting), strict=True):
+        seq.scale = scale
+
+    recorder = MetricsRecorder()
+    recorder.update({
+        "groups/count": stats.groups,
+        "groups/zero_variance_share": stats.zero_variance_share,
+        "trials/count": len(data.trials),
+        "trials/dropped_infra": data.dropped["rollout_infra_failure"] + data.dropped["grade_infra_error"],
+        "segments/count": len(data.sequences),
+        "tokens/sampled": sum(s.n_sampled for s in data.sequences),
+        "tokens/total": sum(len(s) for s in data.sequences),
+    })
+    for harness in [None, *harness_split(t.harness for t in data.trials)]:
+        trials = [t for t in data.trials if harness is None or t.harness == harness]
+        recorder.update({
+            "reward/mean": sum(t.reward for t in trials) / len(trials),
+            "solve_rate": sum(t.resolved for t in trials) / len(trials),
+        }, harness)
+    return recorder
+
+
+def run_train(
+    run_dir: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str],
+    step: int | None = None,
+    config: TrainConfig | None = None,
+    *,
+    resume: bool = False,
+    out: str | os.PathLike[str] | None = None,
+    callbacks: Sequence[Any] = (),
+) -> TrainResult:
+    """:func:`train_step` with everything a caller may want to report."""
+    config = config or TrainConfig()
+    run = RunDir.at(run_dir)
+    checkpoints = Path(out) if out is not None else run.checkpoints
+    data = load_step(run, step, config.reasons)
+    final = checkpoints / f"step-{data.step}"
+    partial = checkpoints / f"step-{data.step}.partial"
+
+    if (final / "config.json").exists():
+        if not resume:
+            raise LegorlError(f"{final} exists: step {data.step} is trained already (--resume skips it, --out trains elsewhere)")
+        info = json.loads((final / INFO_FILE).read_text()) if (final / INFO_FILE).exists() else {}
+        return TrainResult(data.step, final, info.get("updates", 0), len(data.trials), len(data.sequences),
+                           dict(data.dropped), info.get("metrics", {}), info.get("started_from", ""), already_done=True)
+
+    init_from, carry, resume_ckpt = Path(model_dir), None, None
+    partial_ckpts = sorted(partial.glob("checkpoint-*"), key=_checkpoint_number) if partial.is_dir() else []
+    latest = latest_checkpoint(checkpoints)
+    if resume and partial_ckpts:
+        resume_ckpt = partial_ckpts[-1]
+        init = json.loads((partial / "legorl_init.json").read_text())
+        init_from = Path(init["init_from"])
+        carry = Path(init["carry"]) if init.get("carry") else None
+    elif resume and latest is not None:
+        init_from, carry = latest, latest
+    if not (init_from / "config.json").exists():
+        raise LegorlError(f"{init_from}: not a model folder (no config.json)")
+    if resume_ckpt is None and partial.exists():
+        shutil.rmtree(partial)  # a stale, unfinished attempt that is not being resumed
+    partial.mkdir(parents=True, exist_ok=True)
+    (partial / "legorl_init.json").write_text(
+        json.dumps({"init_from": str(init_from), "carry": str(carry) if carry else None})
+    )
+
+    recorder = prepare(data, config)
+    batches = make_batches(data, config.groups_per_batch, seed=config.seed + data.step)
+    trainer = _build_trainer(init_from, partial, data, batches, config, carry, list(callbacks))
+
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=str(resume_ckpt) if resume_ckpt else None)
+    wall = time.perf_counter() - started
+    state = trainer.state
+    if state.global_step < state.max_steps:
+        raise LegorlError(
+            f"training of step {data.step} stopped after {state.global_step} of {state.max_steps} updates; "
+            "run again with --resume to continue it"
+        )
+
+    recorder.merge(trainer.recorder)
+    recorder.update({
+        "perf/tokens_per_s": trainer.trained_tokens / wall if wall > 0 else 0.0,
+        "perf/padding_waste": 1.0 - trainer.trained_tokens / max(trainer.padded_tokens, 1),
+        "perf/wall_s": wall,
+        "updates": float(state.global_step),
+    })
+    recorder.write(run.metrics, data.step)
+    started_from = str(resume_ckpt or init_from)
+    summary = recorder.summary()
+
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    tmp = checkpoints / f".step-{data.step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    trainer.save_model(str(tmp))
+    trainer._save_optimizer_and_scheduler(str(tmp))
+    trainer._save_rng_state(str(tmp))
+    state.save_to_json(str(tmp / "trainer_state.json"))
+    (tmp / INFO_FILE).write_text(json.dumps({
+        "step": data.step, "run": str(run.root), "started_from": started_from, "updates": state.global_step,
+        "trials": len(data.trials), "sequences": len(data.sequences), "dropped": dict(data.dropped),
+        "config": config.to_dict(), "metrics": summary,
+    }, indent=2, sort_keys=True))
+    os.replace(tmp, final)
+    _write_latest(checkpoints, final.name)
+    shutil.rmtree(partial, ignore_errors=True)
+    return TrainResult(data.step, final, state.global_step, len(data.trials), len(data.sequences),
+                       dict(data.dropped), summary, started_from)
+
+
+def _build_trainer(
+    init_from: Path, output_dir: Path, data: StepData, batches: list[list[int]], config: TrainConfig,
+    carry: Path | None, callbacks: list[Any],
+) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from legorl.training.trainer import SegmentGRPOTrainer
+
+    dtype = torch.bfloat16 if config.bf16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(init_from, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(init_from)
+    k = config.micro_batches
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        # TRL's per-prompt batch shape is unused: batches are whole groups of any size (batching.py).
+        per_device_train_batch_size=2,
+        num_generations=2,
+        gradient_accumulation_steps=k,
+        steps_per_generation=k,
+        num_iterations=config.num_iterations,
+        num_train_epochs=1,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm,
+        loss_type=config.trl_loss_type,
+        importance_sampling_level=config.trl_is_level,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_high,
+        beta=config.beta,
+        temperature=config.temperature,
+        max_completion_length=config.max_length or max(len(s) for s in data.sequences),
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=config.num_iterations,  # generation-batch boundaries: resuming there is exact
+        save_total_limit=1,
+        report_to=config.report_to,
+        seed=config.seed,
+        bf16=config.bf16,
+        gradient_checkpointing=config.gradient_checkpointing,
+        remove_unused_columns=False,
+        shuffle_dataset=False,
+        disable_dropout=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+    )
+    return SegmentGRPOTrainer(
+        model=model, processing_class=tokenizer, args=args, data=data, batches=batches, config=config,
+        carry_state_from=carry, callbacks=callbacks or None,
+    )

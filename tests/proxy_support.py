@@ -1,0 +1,51 @@
+"""Shared pieces of the proxy tests: a scripted engine steered by the prompt, tools, replies."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from legorl.engines.scripted import ScriptedCall, ScriptedEngine
+
+BASH = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a shell command.",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    },
+}
+TOOLS = [BASH]
+ANTHROPIC_TOOLS = [{"name": "bash", "description": "Run a shell command.",
+                    "input_schema": BASH["function"]["parameters"]}]
+
+_DIRECTIVE = re.compile(r"<<reply:(.*?):reply>>", re.DOTALL)
+
+
+def say(text: str, times: int = 1) -> str:
+    """A directive for the scripted engine: the reply to a prompt ending with it is ``text * times``."""
+    return "<<reply:" + json.dumps(text if times == 1 else [text, times]) + ":reply>>"
+
+
+def tool_call_text(name: str, args: dict[str, Any], content: str = "") -> str:
+    """What the Qwen template renders for an assistant tool call (so token identity can hold)."""
+    call = '<tool_call>\n{"name": "' + name + '", "arguments": ' + json.dumps(args) + "}\n</tool_call>"
+    return (content + "\n" + call) if content else call
+
+
+def call_bash(command: str, content: str = "") -> str:
+    return say(tool_call_text("bash", {"command": command}, content))
+
+
+def _reply(call: ScriptedCall) -> str:
+    found = _DIRECTIVE.findall(call.prompt_text)
+    if not found:
+        return "ok"
+    value = json.loads(found[-1])
+    return value if isinstance(value, str) else value[0] * value[1]
+
+
+def scripted_engine(tokenizer: Any, name: str = "scripted", max_context: int | None = None) -> ScriptedEngine:
+    """Replies with the text of the last ``say(...)`` directive in the prompt (else ``ok``)."""
+    return ScriptedEngine(tokenizer, _reply, name=name, max_context=max_context)

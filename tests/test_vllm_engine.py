@@ -1,0 +1,227 @@
+"""VLLMEngine against a local stand-in that serves vLLM's documented request/response shapes.
+
+This tests the client's requests and parsing (token-id prompts, return_token_ids, logprobs, SSE
+streaming, both routed-experts encodings, the dev-mode reload routes), not vLLM itself: vLLM's
+wheel is a CUDA build that does not serve on these CPUs. The shapes follow
+``vllm/entrypoints/openai/completion/protocol.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from legorl.engines import Engine, PromptTooLong, make_engine
+from legorl.engines.base import SamplingParams
+from legorl.engines.vllm import VLLMEngine, decode_routed_experts
+from legorl.errors import ConfigError, LegorlError
+
+LAYERS, TOPK, MAX_LEN = 3, 2, 64
+
+
+def npy_b64(a: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class StandIn:
+    """Completions: token i of the answer is (prompt[-1] + i + 1) % 1000, logprob -0.1 * (i + 1)."""
+
+    def __init__(self, routing: str = "none"):
+        self.routing = routing  # none | split-lists | npy
+        self.requests: list[dict[str, Any]] = []
+        self.admin: list[str] = []
+
+    def completion(self, body: dict[str, Any]) -> tuple[list[int], list[float], str]:
+        prompt = body["prompt"]
+        n = body["max_tokens"]
+        ids = [(prompt[-1] + i + 1) % 1000 for i in range(n)]
+        reason = "length"
+        for i, t in enumerate(ids):
+            if t in (body.get("stop_token_ids") or []):
+                ids, reason = ids[: i + 1], "stop"
+                break
+        return ids, [-0.1 * (i + 1) for i in range(len(ids))], reason
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": MAX_LEN}]})
+
+    async def completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(body)
+        prompt = body["prompt"]
+        if len(prompt) + body["max_tokens"] > MAX_LEN:
+            return JSONResponse({"error": {"message": f"This model's maximum context length is {MAX_LEN} tokens",
+                                           "type": "BadRequestError", "code": 400}}, status_code=400)
+        ids, lps, reason = self.completion(body)
+
+        def logprobs(ids_: list[int], lps_: list[float]) -> dict[str, Any]:
+            return {"text_offset": list(range(len(ids_))), "token_logprobs": lps_,
+                    "tokens": [f"t{t}" for t in ids_], "top_logprobs": [{f"t{t}": lp} for t, lp in zip(ids_, lps_)]}
+
+        if body.get("stream"):
+            async def events():
+                for i, (t, lp) in enumerate(zip(ids, lps)):
+                    last = i == len(ids) - 1
+                    choice = {"index": 0, "text": f"t{t}", "logprobs": logprobs([t], [lp]),
+                              "finish_reason": reason if last else None, "token_ids": [t]}
+                    if i == 0:
+                        choice["prompt_token_ids"] = prompt
+                    yield f"data: {json.dumps({'id': 'cmpl-1', 'object': 'text_completion', 'model': 'tiny', 'choices': [choice]})}\n\n"
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+                yield f"data: {json.dumps({'id': 'cmpl-1', 'object': 'text_completion', 'model': 'tiny', 'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        rng = np.random.default_rng(len(prompt))
+        route = rng.integers(0, 8, size=(len(prompt) + len(ids) - 1, LAYERS, TOPK)).astype(np.int16)
+        choice: dict[str, Any] = {"index": 0, "text": "".join(f"t{t}" for t in ids), "logprobs": logprobs(ids, lps),
+                                  "finish_reason": reason, "stop_reason": None, "token_ids": ids,
+                                  "prompt_token_ids": prompt, "prompt_logprobs": None, "routed_experts": None}
+        out: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "tiny",
+                               "choices": [choice], "usage": {"prompt_tokens": len(prompt)}}
+        if self.routing == "split-lists":  # response-level prompt part + per-choice completion part
+            out["prompt_routed_experts"] = route[: len(prompt)].tolist()
+            choice["routed_experts"] = route[len(prompt):].tolist()
+        elif self.routing == "npy":  # newer: one base64 .npy over prompt + completion
+            choice["routed_experts"] = npy_b64(route)
+        self.route = route
+        return JSONResponse(out)
+
+    async def admin_route(self, request: Request) -> Response:
+        body = (await request.body()).decode()
+        self.admin.append(f"{request.url.path}?{request.url.query}|{body}")
+        return JSONResponse({"status": "ok"})
+
+    def app(self) -> Starlette:
+        routes = [Route("/v1/models", self.models), Route("/v1/completions", self.completions, methods=["POST"])]
+        routes += [Route(p, self.admin_route, methods=["POST"]) for p in
+                   ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache")]
+        return Starlette(routes=routes)
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[StandIn, str]]:
+    stand_in = StandIn()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(stand_in.app(), log_level="error", lifespan="off"))
+    t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    deadline = time.time() + 10
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.02)
+    yield stand_in, f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    t.join(5)
+
+
+def test_generate_sends_token_ids_and_parses_tokens_and_logprobs(server) -> None:
+    stand_in, url = server
+    eng = make_engine("vllm", base_url=url + "/v1")
+    assert isinstance(eng, Engine) and eng.name == "tiny" and eng.max_context == MAX_LEN
+    g = asyncio.run(eng.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.5, seed=3)))
+    assert g.token_ids == [8, 9, 10, 11] and g.finish_reason == "length" and g.prompt_tokens == 3
+    assert g.logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert g.routed_experts is None
+    sent = stand_in.requests[-1]
+    assert sent["prompt"] == [5, 6, 7] and sent["return_token_ids"] is True and sent["logprobs"] == 1
+    assert sent["top_k"] == -1 and sent["seed"] == 3 and sent["temperature"] == 0.5 and not sent["stream"]
+    s = asyncio.run(eng.generate([5], SamplingParams(max_tokens=10, stop_token_ids=(8,))))
+    assert s.token_ids == [6, 7, 8] and s.finish_reason == "stop"
+    assert stand_in.requests[-1]["stop_token_ids"] == [8]
+    # max_tokens is capped by the context; a full prompt is refused before any request
+    asyncio.run(eng.generate(list(range(60)), SamplingParams(max_tokens=100)))
+    assert stand_in.requests[-1]["max_tokens"] == 4
+    with pytest.raises(PromptTooLong):
+        asyncio.run(eng.generate(list(range(MAX_LEN)), SamplingParams()))
+
+
+def test_server_errors_become_one_line_errors(server) -> None:
+    _, url = server
+    eng = VLLMEngine(url, "tiny", max_context=10_000)  # claims more context than the server has
+    with pytest.raises(PromptTooLong, match="maximum context length"):
+        asyncio.run(eng.generate(list(range(100)), SamplingParams(max_tokens=5)))
+    with pytest.raises(ConfigError, match="does not serve model 'other'"):
+        VLLMEngine(url, "other")
+    with pytest.raises(LegorlError, match="cannot list"):
+        VLLMEngine("http://127.0.0.1:9")
+
+
+def test_stream_yields_tokens_then_the_generation(server) -> None:
+    stand_in, url = server
+    eng = VLLMEngine(url)
+
+    async def go():
+        return [c async for c in eng.stream([1, 2], SamplingParams(max_tokens=3))]
+
+    chunks = asyncio.run(go())
+    assert [c.token_ids for c in chunks[:-1]] == [[3], [4], [5]]
+    final = chunks[-1].final
+    assert final is not None and final.token_ids == [3, 4, 5] and final.finish_reason == "length"
+    assert final.logprobs == pytest.approx([-0.1, -0.2, -0.3])
+    assert stand_in.requests[-1]["stream"] is True and stand_in.requests[-1]["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("shape", ["split-lists", "npy"])
+def test_routed_experts_both_encodings(server, shape: str) -> None:
+    stand_in, url = server
+    stand_in.routing = shape
+    eng = VLLMEngine(url, routed_experts=True)
+    g = asyncio.run(eng.generate([1, 2, 3, 4], SamplingParams(max_tokens=5)))
+    assert g.routed_experts is not None and g.routed_experts.dtype == np.int16
+    assert g.routed_experts.shape == (4 + 5, LAYERS, TOPK)
+    assert (g.routed_experts[:-1] == stand_in.route).all() and (g.routed_experts[-1] == -1).all()
+
+    async def go():  # routing only comes in non-streamed responses: stream() falls back to one
+        return [c async for c in eng.stream([1, 2, 3, 4], SamplingParams(max_tokens=5))]
+
+    chunks = asyncio.run(go())
+    assert chunks[-1].final is not None and chunks[-1].final.routed_experts.shape == (9, LAYERS, TOPK)
+    assert stand_in.requests[-1]["stream"] is False
+
+
+def test_decode_routed_experts_dict_encoding_and_bad_shapes() -> None:
+    a = np.arange(12, dtype=np.int16).reshape(2, 3, 2)
+    d = {"encoding": "base64", "dtype": "int16", "shape": [2, 3, 2], "data": base64.b64encode(a.tobytes()).decode()}
+    assert (decode_routed_experts(d) == a).all()
+    assert decode_routed_experts(None) is None
+    with pytest.raises(LegorlError, match="expected"):
+        decode_routed_experts([[1, 2]])
+
+
+def test_load_weights_copies_into_served_dir_and_reloads(server, tmp_path: Path) -> None:
+    stand_in, url = server
+    served, ckpt = tmp_path / "served", tmp_path / "step-1"
+    served.mkdir()
+    ckpt.mkdir()
+    (served / "model.safetensors").write_bytes(b"old")
+    (ckpt / "model.safetensors").write_bytes(b"new")
+    with pytest.raises(ConfigError, match="served_model_dir"):
+        asyncio.run(VLLMEngine(url).load_weights(str(ckpt)))
+    eng = VLLMEngine(url, served_model_dir=served)
+    asyncio.run(eng.load_weights(str(ckpt)))
+    assert (served / "model.safetensors").read_bytes() == b"new"
+    paths = [a.split("|")[0] for a in stand_in.admin]
+    assert paths == ["/pause?mode=wait", "/collective_rpc?", "/reset_prefix_cache?", "/resume?"]
+    assert json.loads(stand_in.admin[1].split("|")[1]) == {"method": "reload_weights"}
+    with pytest.raises(ConfigError, match="no weight files"):
+        asyncio.run(eng.load_weights(str(tmp_path)))

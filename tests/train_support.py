@@ -1,0 +1,146 @@
+"""Rollout and grade shards for the training tests, sampled from a real tiny model.
+
+Each trial's segment is ``prompt, turn 1 (sampled), tool output, turn 2 (sampled)``, sampled in
+fp32 with a KV-cache decode loop (temperature 1, no top-k/top-p), so the recorded logprobs are
+those of the distribution that was sampled. For MoE models the experts each position was routed
+to when it was first processed are recorded too (the last sampled token is never processed, so
+its routing is -1: the router's own choice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from legorl import shards
+from legorl.paths import RunDir
+from legorl.routing import capture_routing, routing_shape
+from legorl.schemas import GradeRow, Kind, Outcome, Segment, TrialRow
+
+TOOL_TEXT = "\n<tool_response>\nOK: 3 passed\n</tool_response>\n"
+
+
+@dataclass
+class TrialSpec:
+    task: str
+    sample: int
+    reward: float | None
+    infra_failure: bool = False  # rollout-side infrastructure failure
+    grade_infra_error: bool = False
+    harness: str = "mini"
+    segments: int = 1  # >1: the same tokens split at the tool call into a fork segment
+
+
+@torch.no_grad()
+def _forward(model: torch.nn.Module, ids: list[int], past: object | None) -> tuple[torch.Tensor, object, np.ndarray]:
+    with capture_routing(model) as cap:
+        out = model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
+    return out.logits[0, -1].float(), out.past_key_values, cap.take()
+
+
+@torch.no_grad()
+def sample_segment(
+    model: torch.nn.Module, prompt: list[int], tool: list[int], turns: tuple[int, int], gen: torch.Generator
+) -> tuple[list[int], list[int], list[float], np.ndarray | None]:
+    """Token ids, loss mask, logprobs and routing [T, layers, k] (or None) of one two-turn segment."""
+    ids, mask, logps = list(prompt), [0] * len(prompt), [0.0] * len(prompt)
+    rows: list[np.ndarray] = []
+    past = None
+    feed = list(prompt)  # tokens the model has not processed yet
+    for turn, n in enumerate(turns):
+        if turn == 1:
+            ids += tool
+            mask += [0] * len(tool)
+            logps += [0.0] * len(tool)
+            feed += tool
+        for _ in range(n):
+            logits, past, routing = _forward(model, feed, past)
+            rows.append(routing)
+            logp = torch.log_softmax(logits, -1)
+            token = int(torch.multinomial(logp.exp(), 1, generator=gen))
+            ids.append(token)
+            mask.append(1)
+            logps.append(float(logp[token]))
+            feed = [token]
+    shape = routing_shape(model)
+    if shape is None:
+        return ids, mask, logps, None
+    routing = np.concatenate([*rows, np.full((1, *shape), -1, dtype=np.int16)], axis=0)
+    assert routing.shape[0] == len(ids)
+    return ids, mask, logps, routing
+
+
+def make_run(
+    run_dir: Path,
+    model_dir: Path,
+    specs: Sequence[TrialSpec],
+    step: int = 0,
+    turns: tuple[int, int] = (6, 5),
+    seed: int = 0,
+    logprob_noise: float = 0.0,
+) -> RunDir:
+    """Write rollouts (sampled from the model at ``model_dir``) and grades for ``specs``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tool = tokenizer.encode(TOOL_TEXT)
+    run = RunDir.at(run_dir)
+    trials, grades = [], []
+    rng = np.random.default_rng(seed)
+    for k, spec in enumerate(specs):
+        gen = torch.Generator().manual_seed(seed * 1000 + k)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Fix task {spec.task}; attempt {spec.sample}."}],
+            tokenize=True, add_generation_prompt=True,
+        )
+        if not isinstance(prompt, list):
+            prompt = list(prompt["input_ids"])
+        ids, mask, logps, routing = sample_segment(model, prompt, tool, turns, gen)
+        if logprob_noise:
+            logps = [lp + float(rng.normal(0, logprob_noise)) if m else 0.0 for lp, m in zip(logps, mask, strict=True)]
+        segments = _segments(ids, mask, logps, routing, spec.segments, len(prompt) + turns[0])
+        trial = TrialRow.new(
+            spec.task, spec.harness, step, spec.sample,
+            outcome=Outcome.INFRA_ERROR if spec.infra_failure else Outcome.SUBMITTED,
+            infra_failure=spec.infra_failure, segments=segments, model=str(model_dir),
+        )
+        trials.append(trial)
+        if spec.infra_failure:
+            continue
+        grades.append(GradeRow(
+            trial_id=trial.trial_id, task_id=spec.task, harness=spec.harness, step=step,
+            status="infra_error" if spec.grade_infra_error else "graded",
+            infra_failure=spec.grade_infra_error,
+            reward=None if spec.grade_infra_error else spec.reward,
+            resolved=None if spec.grade_infra_error else bool(spec.reward and spec.reward > 0),
+        ))
+    shards.write(run.rollouts, Kind.ROLLOUTS, trials)
+    shards.write(run.grades, Kind.GRADES, grades)
+    return run
+
+
+def _segments(
+    ids: list[int], mask: list[int], logps: list[float], routing: np.ndarray | None, parts: int, cut: int
+) -> list[Segment]:
+    """One segment, or (parts=2) the same sampled tokens as two: ``[..turn 1]`` and a fork holding
+    the whole sequence with only turn 2 sampled — same tokens, same contexts."""
+
+    def seg(end: int, keep_from: int, reason: str) -> Segment:
+        m = [v if i >= keep_from else 0 for i, v in enumerate(mask[:end])]
+        lp = [v if m[i] else 0.0 for i, v in enumerate(logps[:end])]
+        r = routing[:end] if routing is not None else None
+        return Segment(
+            token_ids=ids[:end], loss_mask=m, logprobs=lp, reason=reason,
+            routed_experts=None if r is None else r.reshape(-1).tolist(),
+            routing_layers=None if r is None else int(r.shape[1]),
+            routing_top_k=None if r is None else int(r.shape[2]),
+        )
+
+    if parts == 1:
+        return [seg(len(ids), 0, "main")]
+    return [seg(cut, 0, "main"), seg(len(ids), cut, "rewrite")]
