@@ -3,7 +3,8 @@
 
     .venv/bin/python benchmarks/sandbox.py [--starts 5] [--execs 20] [--copies 10]
 
-Prints per-operation medians for both and the ratio podman-py / CLI (> 1: the CLI is faster).
+Prints per-operation medians and the ratios CLI / podman-py and CLI / legorl's hybrid backend
+(> 1: the CLI is slower).
 Needs podman and the base image (`legorl setup`).
 """
 
@@ -35,8 +36,8 @@ def timed(fn: Callable[[], Any], n: int) -> list[float]:
     return out
 
 
-def bench_cli(image: str, starts: int, execs: int, copies: int) -> dict[str, list[float]]:
-    backend = PodmanBackend()
+def bench_backend(api: str, image: str, starts: int, execs: int, copies: int) -> dict[str, list[float]]:
+    backend = PodmanBackend(api=api)  # type: ignore[arg-type]
     spec = SandboxSpec(image=image, labels={"run": "bench"})
     res: dict[str, list[float]] = {"start": [], "remove": []}
     for _ in range(starts):
@@ -73,7 +74,7 @@ def bench_podman_py(image: str, starts: int, execs: int, copies: int) -> tuple[d
                         raise
                     time.sleep(0.02)
             service_start = time.perf_counter() - t0
-            kwargs = dict(detach=True, network_mode="none", init=True, mem_limit="4g", pids_limit=1024,
+            kwargs: dict[str, Any] = dict(detach=True, network_mode="none", init=True, mem_limit="4g", pids_limit=1024,
                           labels={"legorl": "1", "legorl.run": "bench-py"}, working_dir="/testbed")
 
             def start() -> Any:
@@ -121,13 +122,17 @@ def main() -> None:
     args = parser.parse_args()
     image = base_image()
     require_image(image)
-    cli = bench_cli(image, args.starts, args.execs, args.copies)
+    cli = bench_backend("cli", image, args.starts, args.execs, args.copies)
+    auto = bench_backend("auto", image, args.starts, args.execs, args.copies)
     py, service_start = bench_podman_py(image, args.starts, args.execs, args.copies)
     print(f"podman-py: starting a private `podman system service`: {service_start * 1000:.0f} ms (once per process)")
-    print(f"{'operation (median)':<22}{'CLI ms':>10}{'podman-py ms':>14}{'py/CLI':>9}")
+    print("CLI = PodmanBackend(api='cli'); legorl = PodmanBackend() (CLI for start/remove, the API service for "
+          "exec/copy); podman-py = raw podman-py calls, no legorl wrapper")
+    print(f"{'operation (median)':<20}{'CLI ms':>9}{'podman-py ms':>14}{'legorl ms':>11}{'CLI/podman-py':>15}"
+          f"{'CLI/legorl':>12}")
     for key in cli:
-        c, p = statistics.median(cli[key]), statistics.median(py[key])
-        print(f"{key:<22}{c * 1000:>10.0f}{p * 1000:>14.0f}{p / c:>9.2f}")
+        c, p, a = (statistics.median(d[key]) for d in (cli, py, auto))
+        print(f"{key:<20}{c * 1000:>9.0f}{p * 1000:>14.0f}{a * 1000:>11.0f}{c / p:>15.2f}{c / a:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,15 @@ def _render(summary: dict[str, Any]) -> None:
         console.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
 
 
+def _health(path: Path, summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's health figures, for a run directory with trials (not for one dataset folder)."""
+    if summary["errors"] or not any(d["name"] in ("rollouts", "grades") for d in summary["datasets"]):
+        return None
+    from legorl.monitor.health import health_summary
+
+    return health_summary(path)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect_command(
@@ -45,9 +54,16 @@ def register(app: typer.Typer) -> None:
         from legorl.stages.inspect import inspect_path
 
         summary = inspect_path(path)
+        health = _health(path, summary)
+        if health is not None:
+            summary["health"] = health
         if json_output:
             print_json(summary)
         else:
             _render(summary)
+            if health is not None:
+                from legorl.monitor.health import health_renderable
+
+                console.print(health_renderable(health))
         if summary["errors"]:
             raise typer.Exit(1)

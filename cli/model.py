@@ -50,6 +50,7 @@ def warmup_command(
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 256,
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-3,
     seed: Annotated[int, typer.Option(help="Data-order seed.")] = 0,
+    minutes: Annotated[float | None, typer.Option(help="Stop after this many minutes even if steps remain.")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Train the model briefly on local code and tool-call chats so its distributions are not uniform."""
@@ -63,13 +64,14 @@ def warmup_command(
                   TimeRemainingColumn(), console=console, disable=json_out) as progress:
         task = progress.add_task("warmup", total=steps, loss="-")
         stats = warmup(model_dir, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+                       max_seconds=minutes * 60 if minutes else None,
                        progress=lambda i, loss: progress.update(task, completed=i, loss=f"{loss:.3f}"))
     if json_out:
         print_json(stats | {"path": str(model_dir)})
         return
     console.print(
         f"[green]warmed up[/] {model_dir}: loss {stats['first_loss']:.3f} -> {stats['last_loss']:.3f} "
-        f"over {int(stats['tokens'])} tokens in {stats['seconds']:.0f} s "
+        f"over {int(stats['steps'])} steps, {int(stats['tokens'])} tokens in {stats['seconds']:.0f} s "
         f"({stats['tokens'] / stats['seconds']:.0f} tokens/s)",
         highlight=False,
     )

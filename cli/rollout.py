@@ -1,14 +1,125 @@
-"""`legorl rollout`."""
+"""`legorl rollout`: run harnesses on the run's tasks against the proxy; one trial row each."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from legorl.cli.common import not_implemented
+from legorl.cli.common import JsonOption, RunOption, console, fail, print_json
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("rollout", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def rollout_command() -> None:
-        """Not implemented yet."""
-        not_implemented("rollout")
+    @app.command("rollout")
+    def rollout_command(
+        run: RunOption,
+        harness: Annotated[str, typer.Option(
+            "--harness", help="Harness name(s), comma-separated: mini-swe-agent, openhands, opencode, claude-code.")],
+        model: Annotated[Path | None, typer.Option("--model", help="Model directory for the embedded engine.")] = None,
+        proxy: Annotated[str | None, typer.Option("--proxy", help="URL of a running `legorl serve-proxy`.")] = None,
+        samples: Annotated[int, typer.Option(help="Trials per task and harness (a group).")] = 1,
+        concurrency: Annotated[int, typer.Option(help="Trials at once.")] = 2,
+        limit: Annotated[int | None, typer.Option(help="Only the first N tasks (by instance id).")] = None,
+        step: Annotated[int, typer.Option(help="Policy step these trials belong to.")] = 0,
+        timeout: Annotated[float, typer.Option(help="Hard wall-clock limit of one harness run, seconds.")] = 1800.0,
+        max_turns: Annotated[int, typer.Option("--max-turns", help="Model calls per trial.")] = 30,
+        max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Cap on one call's sampled tokens.")] = None,
+        temperature: Annotated[float, typer.Option(help="Sampling temperature the harnesses are given.")] = 1.0,
+        retries: Annotated[int, typer.Option(help="Extra attempts after an infrastructure error.")] = 2,
+        api_key: Annotated[str | None, typer.Option("--api-key", help="API key of the --proxy.")] = None,
+        json_out: JsonOption = False,
+    ) -> None:
+        """Roll out: sandbox → proxy session → harness → patch → one trial row; resumable."""
+        import asyncio
+        import contextlib
+        import time
+
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from legorl.harnesses import parse_names
+        from legorl.stages import rollout as stage
+
+        if (model is None) == (proxy is None):
+            fail("give exactly one of --model DIR (embedded engine) or --proxy URL")
+        cfg = stage.RolloutConfig(
+            run=run, harnesses=parse_names(harness), samples=samples, concurrency=concurrency, limit=limit,
+            step=step, timeout_s=timeout, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
+            retries=retries,
+        )
+        handle: stage.InProcessProxy | stage.RemoteProxy
+        if proxy is not None:
+            handle = stage.RemoteProxy(proxy, api_key)
+        else:
+            assert model is not None
+            if not (model / "config.json").exists():
+                fail(f"--model {model}: not a model directory (no config.json)")
+            from legorl.engines.embedded import EmbeddedEngine
+
+            with console.status(f"loading {model} …"):
+                embedded = EmbeddedEngine(model)
+            handle = stage.InProcessProxy(embedded, str(model))
+
+        progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.fields[status]}"), console=console, transient=json_out)
+        bar = progress.add_task("rollout", total=0, status="")
+        outcomes: dict[str, int] = {}
+        started = time.monotonic()
+        sampled = [0]
+
+        def status() -> str:
+            parts = [" ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))]
+            engine = getattr(handle, "engine", None)
+            elapsed = max(time.monotonic() - started, 1e-6)
+            if isinstance(engine, stage.WatchedEngine):
+                parts.append(f"{engine.tokens / elapsed:.1f} tok/s")
+                parts.append(f"{engine.in_flight} calls in flight")
+                parts.append(f"engine {engine.busy_seconds() / elapsed:.0%} busy")
+            else:
+                parts.append(f"{sampled[0] / elapsed:.1f} tok/s")
+            return " · ".join(p for p in parts if p)
+
+        def on_start(todo: int, skipped: int) -> None:
+            progress.update(bar, total=todo)
+            if skipped and not json_out:
+                console.print(f"{skipped} trial(s) already in {run}/rollouts: skipped", highlight=False)
+
+        def on_done(row: object) -> None:
+            from legorl.schemas import TrialRow
+
+            assert isinstance(row, TrialRow)
+            outcomes[str(row.outcome)] = outcomes.get(str(row.outcome), 0) + 1
+            sampled[0] += sum(c.completion_tokens for c in row.calls)
+            progress.update(bar, advance=1, status=status())
+
+        stop = False
+
+        def refresh() -> None:
+            while not stop:
+                progress.update(bar, status=status())
+                time.sleep(1.0)
+
+        import threading
+
+        ticker = threading.Thread(target=refresh, daemon=True)
+        with handle, progress:
+            ticker.start()
+            try:
+                summary = stage.rollout_stage(cfg, handle, on_start=on_start, on_done=on_done)
+            finally:
+                stop = True
+        watched = getattr(handle, "engine", None)
+        if watched is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run(watched.close())
+        result = summary.as_dict()
+        if json_out:
+            print_json(result)
+            return
+        out = ", ".join(f"{k} {v}" for k, v in sorted(result["outcomes"].items())) or "nothing new"
+        t = result["mean_timings"]
+        console.print(
+            f"{result['ran']} trial(s): {out}; {result['infra_failures']} infra failure(s), "
+            f"{result['retried']} retried; {result['tokens_per_s']} tok/s; engine utilisation "
+            f"{result['engine_utilisation']}; mean s: sandbox {t['sandbox_s']}, agent {t['agent_s']}, "
+            f"model {t['model_s']} -> {run}/rollouts", highlight=False)

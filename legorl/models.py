@@ -264,11 +264,13 @@ def warmup(
     lr: float = 1e-3,
     chat_fraction: float = 0.25,
     seed: int = 0,
+    max_seconds: float | None = None,
     progress: Callable[[int, float], None] | None = None,
 ) -> dict[str, float]:
     """Next-token training on local code (+ ``chat_fraction`` of tool-call chats); saves in place.
 
-    Returns ``{"first_loss", "last_loss", "seconds", "tokens"}``. CPU: ~1–3 k tokens/s for tiny.
+    Stops after ``steps`` or once ``max_seconds`` have passed, whichever is first. Returns
+    ``{"first_loss", "last_loss", "seconds", "tokens", "steps"}``. CPU: ~0.5–3 k tokens/s for tiny.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -286,9 +288,10 @@ def warmup(
 
     need = steps * batch_size * seq_len
     code: list[int] = []
+    eot: int = tokenizer.pad_token_id  # <|endoftext|> separates documents
     for text in local_code(max_bytes=max(need * 4, 200_000), skip_bytes=_CORPUS_BYTES):
         code.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        code.append(tokenizer.convert_tokens_to_ids(EOT))
+        code.append(eot)
         if len(code) >= need:
             break
     chats = chat_examples(tokenizer, 256, rng)
@@ -316,7 +319,10 @@ def warmup(
     )
     t0 = time.perf_counter()
     first = last = float("nan")
+    done = 0
     for step in range(steps):
+        if max_seconds is not None and step > 0 and time.perf_counter() - t0 > max_seconds:
+            break
         x, y = batch()
         loss = model(input_ids=x, labels=y).loss
         loss.backward()
@@ -327,13 +333,15 @@ def warmup(
         last = float(loss.detach())
         if step == 0:
             first = last
+        done = step + 1
         if progress is not None:
-            progress(step + 1, last)
+            progress(done, last)
     seconds = time.perf_counter() - t0
     model.eval()
     model.save_pretrained(model_dir)
     info = model_info(model_dir)
-    info["warmup_steps"] = int(info.get("warmup_steps", 0)) + steps
+    info["warmup_steps"] = int(info.get("warmup_steps", 0)) + done
     info["warmup_loss"] = last
     (model_dir / "legorl_model.json").write_text(json.dumps(info))
-    return {"first_loss": first, "last_loss": last, "seconds": seconds, "tokens": steps * batch_size * seq_len}
+    return {"first_loss": first, "last_loss": last, "seconds": seconds, "tokens": done * batch_size * seq_len,
+            "steps": done}

@@ -3,7 +3,8 @@
 The JSON form is for scripts; its keys are stable:
 
 ``{"path": str, "datasets": [{"name", "kind", "path", "files", "rows", "schema_versions",
-"commands", "duplicate_keys", "temp_files", "breakdown"}], "errors": [str]}``
+"commands", "duplicate_keys", "temp_files", "breakdown"}], "errors": [str]}``, plus ``"health"``
+(``legorl.monitor.health.health_summary``) when the path is a run directory holding trials.
 
 ``breakdown`` depends on the kind: tasks ``{"repos": {repo: n}}``; rollouts ``{"outcomes",
 "harnesses", "steps", "infra_failures", "sampled_tokens", "segments"}``; grades ``{"statuses",

@@ -61,6 +61,7 @@ def _conversation(harness: str, task: str, kind: str) -> list[dict[str, Any]]:
         msgs.append(assistant("The change should be made in core.py, replacing `= 1` with `= right`."))
         return msgs
     path = "/testbed/src/core.py"
+    steps: list[tuple[str, dict[str, Any], str]]
     if harness == "mini-swe-agent":
         steps = [
             ("bash", {"command": "grep -rn separability /testbed/src | head"}, "src/core.py:12: def separability_matrix"),

@@ -43,7 +43,7 @@ def test_inspect_json_has_documented_keys(tmp_path: Path) -> None:
     result = legorl("inspect", "--json", str(tmp_path))
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert set(summary) == {"path", "datasets", "errors"}
+    assert set(summary) == {"path", "datasets", "errors", "health"}
     by_name = {d["name"]: d for d in summary["datasets"]}
     assert set(by_name) == {"rollouts", "grades", "train/metrics"}
     keys = {"name", "kind", "path", "files", "rows", "schema_versions", "commands", "duplicate_keys", "temp_files", "breakdown"}

@@ -75,6 +75,7 @@ def _shot(page: Any, name: str, selector: str | None = None) -> Path:
     if selector:
         page.locator(selector).screenshot(path=str(path))
     else:
+        page.evaluate("window.scrollTo(0, 0)")  # the sticky header belongs at the top of a full-page shot
         page.screenshot(path=str(path), full_page=True)
     print(f"screenshot: {path}")
     return path

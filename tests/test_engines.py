@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from legorl.engines import Engine, PromptTooLong, make_engine
-from legorl.engines.base import Generation, SamplingParams
+from legorl.engines.base import Generation, SamplingParams, TokenChunk
 from legorl.engines.embedded import EmbeddedEngine, process_logits
 from legorl.engines.scripted import ScriptedCall, ScriptedEngine
 from legorl.errors import ConfigError, LegorlError
@@ -138,7 +140,7 @@ def test_stream_and_cancel(engine: EmbeddedEngine) -> None:
         chunks = [c async for c in engine.stream(PROMPTS[0], SamplingParams(max_tokens=15, seed=3))]
         whole = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=15, seed=3))
         # a consumer that leaves early frees its slot; the engine keeps serving
-        agen = engine.stream(PROMPTS[1], SamplingParams(max_tokens=500, seed=3))
+        agen = cast(AsyncGenerator[TokenChunk, None], engine.stream(PROMPTS[1], SamplingParams(max_tokens=500, seed=3)))
         async for _ in agen:
             break
         await agen.aclose()

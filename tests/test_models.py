@@ -10,7 +10,14 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from legorl.errors import ConfigError
-from legorl.models import FORMAT_TOKENS, MODEL_RECIPE_VERSION, SPECIAL_TOKENS, chat_template, model_info, warmup
+from legorl.models import (
+    FORMAT_TOKENS,
+    MODEL_RECIPE_VERSION,
+    SPECIAL_TOKENS,
+    chat_template,
+    model_info,
+    warmup,
+)
 
 TOOLS = [
     {

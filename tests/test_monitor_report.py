@@ -113,7 +113,9 @@ def test_predictions_export_swebench_format(tmp_path: Path) -> None:
 def test_predictions_need_a_harness_when_there_are_several(run: Path) -> None:
     with pytest.raises(LegorlError, match="several harnesses"):
         report.export_predictions(run)
-    assert report.export_predictions(run, harness="openhands", model_name="m").exists()
+    out = report.export_predictions(run, harness="openhands", model_name="m", path=run / "eval" / "p-openhands.jsonl")
+    assert out.name == "p-openhands.jsonl"
+    assert {json.loads(line)["model_name_or_path"] for line in out.read_text().splitlines()} == {"m"}
 
 
 def test_health_summary(run: Path) -> None:

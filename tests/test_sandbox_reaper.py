@@ -19,6 +19,7 @@ OWNER = """
 import sys, time
 from legorl.sandbox import PodmanBackend, SandboxSpec
 box = PodmanBackend().create(SandboxSpec(image=sys.argv[1], labels={"run": "pytest-reaper"}))
+assert box.exec("true").exit_code == 0  # the API service is up
 print(box.name, flush=True)
 time.sleep(600)
 """
@@ -34,6 +35,17 @@ def image() -> str:
 
 def exists(name: str) -> bool:
     return run_podman(["container", "exists", name], check=False).returncode == 0
+
+
+def cmdlines() -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                out.append(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                pass
+    return out
 
 
 def spawn_owner(image: str) -> tuple[subprocess.Popen[str], str]:
@@ -53,6 +65,11 @@ def test_sigkilled_owner_leaves_a_container_the_reaper_removes(image: str) -> No
     reaped = reap()
     assert (name, "owner dead") in [(r.name, r.reason) for r in reaped]
     assert not exists(name)
+    # nor does the owner's private podman API service outlive it (its watchdog polls each second)
+    deadline = time.monotonic() + 10
+    while any("system service" in cmd and f" {proc.pid}" in cmd for cmd in cmdlines()):
+        assert time.monotonic() < deadline, "the owner's podman service outlived it"
+        time.sleep(0.2)
 
 
 @pytest.mark.podman

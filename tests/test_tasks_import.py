@@ -95,7 +95,7 @@ def test_bad_rows_name_row_and_field(tmp_path: Path, override: dict[str, object]
 def test_duplicate_ids_are_an_error(tmp_path: Path) -> None:
     src = tmp_path / "dup.jsonl"
     src.write_text(json.dumps(_row(0)) + "\n" + json.dumps(_row(0)) + "\n")
-    with pytest.raises(LegorlError, match="row 1 .*duplicate of row 0"):
+    with pytest.raises(LegorlError, match=r"row 1 .*duplicate of row 0"):
         import_tasks(str(src), tmp_path / "tasks")
 
 

@@ -90,7 +90,7 @@ def test_loss_matches_independent_computation(
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=gen))
-    got = float(trainer._compute_loss(model, scored))
+    got = float(trainer._compute_loss(model, scored).detach())
 
     new = [_token_logps(model, s.token_ids) for s in segs]
     group_rewards: dict[str, list[float]] = {}
@@ -130,7 +130,7 @@ def test_loss_matches_independent_computation(
         token_sum += float((per_token * m).sum())
         token_count += float(n)
     if per_sequence:
-        expected = sum(seq_losses) / len(seq_losses)
+        expected = sum(seq_losses) / len(sampled)  # a mean over trials (a forked trial counts once)
     elif loss == "dapo":
         expected = token_sum / token_count
     else:  # dr_grpo: constant normaliser B * max_length
@@ -140,6 +140,29 @@ def test_loss_matches_independent_computation(
     assert trainer.recorder.summary()["is/weight_min"] < 1.0 or level == "none"
     if level == "token":
         assert trainer.recorder.summary()["is/truncated_frac"] > 0
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo"])
+def test_splitting_a_trial_into_segments_changes_nothing(
+    noisy_run: RunDir, tiny_model: Path, tmp_path: Path, loss: str
+) -> None:
+    """The same sampled tokens as one segment or as a main segment plus a fork: same loss."""
+    unsplit = make_run(tmp_path / "unsplit", tiny_model, [TrialSpec(s.task, s.sample, s.reward) for s in SPECS],
+                       logprob_noise=0.3)
+    losses = []
+    for run in (noisy_run, unsplit):
+        config = TrainConfig(loss=loss)  # type: ignore[arg-type]
+        data = load_step(run)
+        prepare(data, config)
+        batch = make_batches(data, None, seed=0)[0]
+        trainer = _build_trainer(tiny_model, tmp_path / "out", data, [batch], config, None, [])
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+        scored = trainer._generate_and_score_completions([{"seq": i} for i in batch])
+        losses.append(float(trainer._compute_loss(trainer.model, scored).detach()))
+    assert len(load_step(noisy_run).sequences) == len(load_step(unsplit).sequences) + 1
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    assert losses[0] != 0.0
 
 
 def spec_key(spec: TrialSpec) -> str:

@@ -74,11 +74,11 @@ class StandIn:
 
         def logprobs(ids_: list[int], lps_: list[float]) -> dict[str, Any]:
             return {"text_offset": list(range(len(ids_))), "token_logprobs": lps_,
-                    "tokens": [f"t{t}" for t in ids_], "top_logprobs": [{f"t{t}": lp} for t, lp in zip(ids_, lps_)]}
+                    "tokens": [f"t{t}" for t in ids_], "top_logprobs": [{f"t{t}": lp} for t, lp in zip(ids_, lps_, strict=True)]}
 
         if body.get("stream"):
             async def events():
-                for i, (t, lp) in enumerate(zip(ids, lps)):
+                for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
                     last = i == len(ids) - 1
                     choice = {"index": 0, "text": f"t{t}", "logprobs": logprobs([t], [lp]),
                               "finish_reason": reason if last else None, "token_ids": [t]}
@@ -202,7 +202,8 @@ def test_routed_experts_both_encodings(server, shape: str) -> None:
 def test_decode_routed_experts_dict_encoding_and_bad_shapes() -> None:
     a = np.arange(12, dtype=np.int16).reshape(2, 3, 2)
     d = {"encoding": "base64", "dtype": "int16", "shape": [2, 3, 2], "data": base64.b64encode(a.tobytes()).decode()}
-    assert (decode_routed_experts(d) == a).all()
+    decoded = decode_routed_experts(d)
+    assert decoded is not None and np.array_equal(decoded, a)
     assert decode_routed_experts(None) is None
     with pytest.raises(LegorlError, match="expected"):
         decode_routed_experts([[1, 2]])

@@ -228,7 +228,7 @@ class EmbeddedEngine:
         if not (Path(path) / "config.json").exists():
             raise ConfigError(f"{path}: not a model directory (no config.json); build one with `legorl model init`")
         hf_logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         return model.to(self.device).eval()
 
     def _submit(self, prompt: list[int], params: SamplingParams) -> _Request:

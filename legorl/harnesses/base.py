@@ -19,6 +19,7 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -66,6 +67,7 @@ class TrialSpec:
     timeout_s: float = 1800.0
     temperature: float | None = None
     workdir: str = "/testbed"
+    context_tokens: int | None = None  # the engine's context, for harnesses that must be told it
 
 
 @dataclass
@@ -222,6 +224,10 @@ class BaseHarness:
 # --------------------------------------------------------------------------- processes
 
 
+_host_procs: set[subprocess.Popen[bytes]] = set()
+_host_mu = threading.Lock()
+
+
 def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcResult:
     """Run on the host in its own session; on timeout the whole process group is killed."""
     start = time.monotonic()
@@ -230,6 +236,8 @@ def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcR
             launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=launch.env, cwd=cwd, start_new_session=True,
         )
+        with _host_mu:
+            _host_procs.add(proc)
         timed_out = False
         try:
             proc.wait(timeout=timeout_s)
@@ -239,7 +247,19 @@ def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcR
         except BaseException:
             kill_group(proc, 0)
             raise
+        finally:
+            with _host_mu:
+                _host_procs.discard(proc)
     return ProcResult(proc.returncode, timed_out, time.monotonic() - start, tail(log))
+
+
+def kill_host_processes() -> None:
+    """KILL every host-run harness of this process (their own sessions escape our signals)."""
+    with _host_mu:
+        procs = list(_host_procs)
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:

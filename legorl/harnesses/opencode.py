@@ -40,8 +40,9 @@ class OpenCode(BaseHarness):
         agent: dict[str, object] = {"steps": trial.max_turns}
         if trial.temperature is not None:
             agent["temperature"] = trial.temperature
+        context = trial.context_tokens or self.context_tokens
         model = {"name": trial.model, "tool_call": True,
-                 "limit": {"context": self.context_tokens, "output": self.output_tokens}}
+                 "limit": {"context": context, "output": min(self.output_tokens, max(1, context // 4))}}
         return {
             "$schema": "https://opencode.ai/config.json",
             "autoupdate": False,

@@ -238,11 +238,16 @@ def predictions(snap: Snapshot, steps: Sequence[int], harness: str | None = None
 
 
 def export_predictions(run: str | os.PathLike[str], steps: Sequence[int] | None = None,
-                       harness: str | None = None, model_name: str | None = None) -> Path:
-    """Write ``eval/predictions.jsonl`` (``instance_id, model_name_or_path, model_patch``)."""
+                       harness: str | None = None, model_name: str | None = None,
+                       path: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``eval/predictions.jsonl`` (``instance_id, model_name_or_path, model_patch``).
+
+    With several harnesses, call once per harness with its own ``path``
+    (e.g. ``eval/predictions-<harness>.jsonl``).
+    """
     snap = RunReader(run).snapshot()
     rows = predictions(snap, select_steps(snap, steps), harness, model_name)
-    path = Path(run) / "eval" / "predictions.jsonl"
+    path = Path(path) if path is not None else Path(run) / "eval" / "predictions.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     return path

@@ -277,12 +277,8 @@ class PodmanSandbox:
         if self._service is not None:
             buf = io.BytesIO()
             with tarfile.open(fileobj=buf, mode="w") as tar:
-                parts = path.strip("/").split("/")
-                for i in range(1, len(parts)):  # parents, so the copy creates missing directories
-                    info = tarfile.TarInfo("/".join(parts[:i]))
-                    info.type, info.mode = tarfile.DIRTYPE, 0o755
-                    tar.addfile(info)
-                info = tarfile.TarInfo("/".join(parts))
+                # missing parents are created by the copy; listing them would reset existing ones
+                info = tarfile.TarInfo(path.lstrip("/"))
                 info.size, info.mode, info.mtime = len(data), mode, int(time.time())
                 tar.addfile(info, io.BytesIO(data))
             if self._copy_in("/", buf.getvalue()):

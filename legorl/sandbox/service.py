@@ -13,7 +13,10 @@ fall back to the CLI.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -25,7 +28,7 @@ from legorl.sandbox.host import podman_env, podman_path
 
 _WATCHDOG = 'podman="$1"; sock="$2"; owner="$3"; "$podman" system service --time=0 "unix://$sock" & svc=$!; ' \
             'while kill -0 "$owner" 2>/dev/null && kill -0 "$svc" 2>/dev/null; do sleep 1; done; ' \
-            'kill "$svc" 2>/dev/null; wait "$svc"; rm -f "$sock"'
+            'kill "$svc" 2>/dev/null; wait "$svc"; rm -rf "$(dirname "$sock")"'
 
 
 class Service:
@@ -54,12 +57,16 @@ class Service:
         return self.process.poll() is None and self.socket_path.exists()
 
     def stop(self) -> None:
+        """Stop the watchdog and the service together (they share a process group)."""
         if self.process.poll() is None:
-            self.process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
 _service: Service | None = None

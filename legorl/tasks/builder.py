@@ -96,8 +96,7 @@ def fetch_sdist(spec: str, dest: Path) -> Library:
     download = dest / "sdist"
     download.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--no-build-isolation",
-         "-q", "-d", str(download), spec], capture_output=True, text=True,
+        [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q", "-d", str(download), spec], capture_output=True, text=True,
     )
     archives = sorted(download.glob("*.tar.gz"))
     if proc.returncode != 0 or not archives:
@@ -479,10 +478,18 @@ def build(specs: list[str], out_dir: Path, opts: BuildOptions, work: Path | None
     work = Path(tempfile.mkdtemp(prefix="legorl-build-")) if work is None else work
     try:
         tasks: list[TaskRow] = []
+        failed: list[str] = []
         for spec in specs:
-            tasks += build_library(spec, out_dir, work, opts)
-        table = to_table(Kind.TASKS, tasks).replace_schema_metadata(None)
-        pq.write_table(table, out_dir / "tasks.parquet", compression="zstd")
+            try:
+                tasks += build_library(spec, out_dir, work, opts)
+            except BuildError as exc:  # one library's failure does not lose the others
+                opts.log(f"error: {exc}")
+                failed.append(spec)
+            # written after every library, so a late failure never loses what was built
+            table = to_table(Kind.TASKS, tasks).replace_schema_metadata(None)
+            pq.write_table(table, out_dir / "tasks.parquet", compression="zstd")
+        if failed and not tasks:
+            raise BuildError(f"no library could be built ({', '.join(failed)})")
         return tasks
     finally:
         if owned_tmp:

@@ -139,6 +139,10 @@ class SegmentGRPOTrainer(GRPOTrainer):
         cfg = self.legorl_config
         weights, weight_stats = importance_weights(old_logps, rollout_logps, mask, cfg.importance_sampling, cfg.is_cap)
         trial_advantage = torch.tensor([s.advantage * s.scale for s in seqs], dtype=torch.float32, device=device)
+        if cfg.trl_loss_type == "grpo":
+            # TRL averages over sequences; a trial's segments were scaled to sum to one sequence, so
+            # averaging over trials instead is a factor sequences / trials (1 without forks).
+            trial_advantage *= len(seqs) / len({s.trial_id for s in seqs})
         advantages = trial_advantage[:, None] * weights
 
         self._record(fidelity(old_logps, rollout_logps, mask))

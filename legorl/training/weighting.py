@@ -22,7 +22,9 @@ once, as those losses intend (a trial weighs its token count; the length-bias fi
 ``T_trial`` is a trial's sampled tokens over all its segments, ``T_mean`` the mean over the step's
 trials (it keeps the overall scale of the loss, so learning rates carry over).
 
-For a single-segment trial under the loss's own weighting the factor is exactly 1: plain TRL.
+For per-sequence losses the trainer also multiplies a batch's advantages by sequences / trials, so
+TRL's mean over sequences becomes a mean over trials. For a batch of single-segment trials under
+the loss's own weighting every factor is exactly 1: plain TRL.
 Scaling the advantage by a positive factor leaves PPO clipping unchanged (``min(rA, clip(r)A)``
 keeps its branch), so this is TRL's loss with re-weighted samples, nothing else.
 """

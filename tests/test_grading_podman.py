@@ -1,0 +1,242 @@
+"""Grading in real podman containers on shipped tasks: gold 1, empty 0, adversarial patches never 1,
+SWE-bench agrees on the very logs, and a SIGKILLed `legorl grade` resumes cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from legorl import shards
+from legorl.grading.grader import GradeOptions, Grader, apply_script, test_command, tests_script
+from legorl.grading.logparse import parse_pytest, split_log
+from legorl.grading.patches import touched_paths
+from legorl.grading.report import evaluate
+from legorl.sandbox.base import Sandbox, SandboxSpec
+from legorl.schemas import GradeRow, Kind, Resolution, TaskRow
+
+pytestmark = pytest.mark.podman
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "examples" / "tasks" / "tasks.parquet"
+LEGORL = str(Path(sys.executable).parent / "legorl")
+
+
+@pytest.fixture(scope="module")
+def base_image() -> str:
+    from legorl.sandbox.host import base_image, image_exists
+
+    name = base_image()
+    if not image_exists(name):
+        pytest.skip(f"base image {name} missing: run `legorl setup`")
+    return name
+
+
+@pytest.fixture(scope="module")
+def shipped() -> dict[str, TaskRow]:
+    """The shipped tasks, repo_source made absolute (as the importer stores it)."""
+    rows = pq.read_table(SHIPPED).to_pylist()
+    tasks = {}
+    for row in rows:
+        task = TaskRow.from_dict(row)
+        task.repo_source = str((SHIPPED.parent / task.repo_source).resolve()) if task.repo_source else None
+        tasks[task.instance_id] = task
+    return tasks
+
+
+@pytest.fixture(scope="module")
+def sample_ids(shipped: dict[str, TaskRow]) -> list[str]:
+    """One task per library (three at most): enough variety, few containers."""
+    by_repo: dict[str, str] = {}
+    for iid, task in sorted(shipped.items()):
+        by_repo.setdefault(task.repo or "", iid)
+    return sorted(by_repo.values())[:3]
+
+
+def _swebench_resolution(task: TaskRow, log: str, tmp_path: Path) -> str:
+    from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status
+    from swebench.types import TestSpec
+
+    path = tmp_path / f"{task.instance_id}.log"
+    path.write_text(log)
+    spec = TestSpec(instance_id=task.instance_id, image="x", eval_script_list=[], repo=task.repo or "", version="1",
+                    FAIL_TO_PASS=task.FAIL_TO_PASS, PASS_TO_PASS=task.PASS_TO_PASS, log_parser="parse_log_pytest",
+                    eval_type="pass_and_fail")
+    status_map, found = get_logs_eval(spec, str(path))
+    if not found:
+        return "NO"
+    report = get_eval_tests_report(status_map, {"FAIL_TO_PASS": task.FAIL_TO_PASS, "PASS_TO_PASS": task.PASS_TO_PASS})
+    return str(get_resolution_status(report)).removeprefix("RESOLVED_")
+
+
+def _legorl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([LEGORL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _noop_patch(task: TaskRow) -> str:
+    """A patch that changes nothing that matters: a comment appended to the buggy file."""
+    path = touched_paths(task.patch)[0]
+    return (f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1,0 +1,1 @@\n+# a harmless comment\n")
+
+
+def test_gold_one_empty_zero_through_the_cli(base_image: str, shipped: dict[str, TaskRow], sample_ids: list[str],
+                                             tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [a for iid in sample_ids for a in ("--id", iid)]
+    assert _legorl("tasks", "import", str(SHIPPED), "--run", str(run), *args).returncode == 0
+
+    gold = _legorl("grade", "--run", str(run), "--gold", "--concurrency", "2", "--json")
+    assert gold.returncode == 0, gold.stderr
+    result = json.loads(gold.stdout)
+    assert {g["task_id"]: g["reward"] for g in result["grades"]} == dict.fromkeys(sample_ids, 1.0)
+    assert all(g["status"] == "graded" and g["apply_method"] == "git apply" for g in result["grades"])
+
+    predictions = tmp_path / "preds.jsonl"
+    lines = [{"instance_id": iid, "model_patch": "", "model_name_or_path": "empty"} for iid in sample_ids]
+    lines += [{"instance_id": iid, "model_patch": _noop_patch(shipped[iid]), "model_name_or_path": "noop"}
+              for iid in sample_ids]
+    lines += [{"instance_id": iid, "model_patch": shipped[iid].patch or "", "model_name_or_path": "gold-copy"}
+              for iid in sample_ids]
+    predictions.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    preds = _legorl("grade", "--run", str(run), "--predictions", str(predictions), "--concurrency", "2", "--json")
+    assert preds.returncode == 0, preds.stderr
+    by_model: dict[str, dict[str, float]] = {}
+    for g in json.loads(preds.stdout)["grades"]:
+        by_model.setdefault(g["trial_id"].split("/")[1], {})[g["task_id"]] = g["reward"]
+    assert by_model == {"empty": dict.fromkeys(sample_ids, 0.0), "noop": dict.fromkeys(sample_ids, 0.0),
+                        "gold-copy": dict.fromkeys(sample_ids, 1.0)}
+
+    rows: list[GradeRow] = shards.read_rows(run / "grades", Kind.GRADES)
+    assert len(rows) == 4 * len(sample_ids)
+    for row in rows:
+        task = shipped[row.task_id]
+        if row.status == "empty_patch":
+            assert row.reward == 0.0 and not row.infra_failure
+            continue
+        assert row.status == "graded" and row.log
+        if row.reward == 0.0:  # the no-op: every FAIL_TO_PASS test really ran and failed
+            assert all(t.status in ("FAILED", "ERROR") for t in row.tests if t.kind == "FAIL_TO_PASS")
+        # SWE-bench's own parser and report logic reach the same verdict on the same log
+        assert _swebench_resolution(task, row.log, tmp_path) == row.resolution
+    times = sorted(r.duration_s or 0 for r in rows if r.status == "graded")
+    print(f"\nper-task grading time: median {times[len(times) // 2]:.2f} s, max {times[-1]:.2f} s")
+
+
+ATTACK_PLUGIN = """import pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+"""
+
+
+def _new_file(path: str, text: str) -> str:
+    body = "".join(f"+{line}\n" for line in text.splitlines())
+    return (f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+            f"@@ -0,0 +1,{len(text.splitlines())} @@\n{body}")
+
+
+def _attacks(task: TaskRow) -> dict[str, tuple[str, str]]:
+    """name -> (patch, the path the grade row must name as dropped)."""
+    test_file = touched_paths(task.test_patch)[0]
+    sitecustomize = ("import os\nos.environ['PYTEST_ADDOPTS'] = '-p attack_plugin'\n")
+    return {
+        "conftest": (_new_file("conftest.py", ATTACK_PLUGIN), "conftest.py"),
+        "nested conftest": (_new_file("tests/conftest.py", ATTACK_PLUGIN), "tests/conftest.py"),
+        "hidden test edit": (_new_file(test_file, "def test_nothing():\n    pass\n").replace(
+            "new file mode 100644\n--- /dev/null", f"--- a/{test_file}").replace("@@ -0,0", "@@ -1,0"), test_file),
+        "sitecustomize": (_new_file("src/attack_plugin.py", ATTACK_PLUGIN)
+                          + _new_file("src/sitecustomize.py", sitecustomize), "src/sitecustomize.py"),
+        "pth hook": (_new_file("src/attack_plugin.py", ATTACK_PLUGIN)
+                     + _new_file("src/attack.pth", "import os; os.environ['PYTEST_ADDOPTS'] = '-p attack_plugin'\n"),
+                     "src/attack.pth"),
+        "pytest.ini": (_new_file("src/attack_plugin.py", ATTACK_PLUGIN)
+                       + _new_file("pytest.ini", "[pytest]\naddopts = -p attack_plugin\n"), "pytest.ini"),
+        "tox.ini pytest section": (_new_file("src/attack_plugin.py", ATTACK_PLUGIN) + (
+            "diff --git a/tox.ini b/tox.ini\n--- a/tox.ini\n+++ b/tox.ini\n@@ -1,2 +1,5 @@\n"
+            "+[pytest]\n+addopts = -p attack_plugin\n+\n [tox]\n envlist = py,docs,doctest,pyright,ruff,ruff-format\n"),
+            "tox.ini"),
+    }
+
+
+def _unfiltered(task: TaskRow, patch: str, create: Callable[[SandboxSpec], Sandbox]) -> Resolution:
+    """The attack applied *without* legorl's filtering, to prove it is a real attack."""
+    from legorl.sandbox.host import base_image
+    from legorl.sandbox.testbed import install_testbed
+
+    box = create(SandboxSpec(image=base_image(), labels={"role": "test"}))
+    try:
+        install_testbed(box, task.repo_source or "", task.base_commit or "")
+        script = apply_script(patch) + tests_script(task, touched_paths(task.test_patch), test_command(task), 120)
+        box.put_file("/tmp/unfiltered.sh", script.encode())
+        res = box.exec("bash /tmp/unfiltered.sh", timeout=300)
+        return evaluate(parse_pytest(split_log(res.output).output), task.FAIL_TO_PASS, task.PASS_TO_PASS).resolution
+    finally:
+        box.remove()
+
+
+def test_adversarial_patches_never_score(base_image: str, shipped: dict[str, TaskRow], tmp_path: Path) -> None:
+    """Each attack on a src-layout task (cachetools): real when unfiltered, worthless when graded."""
+    from legorl.sandbox.podman import PodmanBackend
+
+    (iid,) = [i for i in sorted(shipped) if i.startswith("cachetools__")][:1]
+    task = shipped[iid]
+    # addopts neutralised by the task's own `-o addopts=` would hide the config attacks; grade a
+    # variant that runs plain pytest so they would work if they got through
+    task.test_command = (task.test_command or "").replace("-o addopts= ", "")
+    create = PodmanBackend().create
+    grader = Grader(GradeOptions(test_timeout=120), create)
+    for name in ("conftest", "sitecustomize", "tox.ini pytest section"):
+        assert _unfiltered(task, _attacks(task)[name][0], create) == Resolution.FULL, f"{name} is no real attack"
+    for name, (patch, dropped) in _attacks(task).items():
+        row = grader.grade(task, patch, f"attack/{name}")
+        assert row.reward == 0.0, f"{name}: {row.status} {row.error}"
+        assert dropped in row.dropped_paths, f"{name}: dropped {row.dropped_paths}"
+        assert not row.infra_failure
+        if row.log and row.status == "graded":
+            assert _swebench_resolution(task, row.log, tmp_path) == row.resolution
+    # the gold patch with an attack riding along still scores 1, and names what was dropped
+    row = grader.grade(task, (task.patch or "") + _attacks(task)["conftest"][0])
+    assert row.reward == 1.0 and row.dropped_paths == ["conftest.py"]
+
+
+def _owned_containers(pid: int) -> list[str]:
+    from legorl.sandbox.host import run_podman
+
+    proc = run_podman(["ps", "-a", "--filter", f"label=legorl.owner_pid={pid}", "--format", "{{.Names}}"], timeout=60)
+    return proc.stdout.decode().split()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_rerun(base_image: str, shipped: dict[str, TaskRow], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ids = sorted(shipped)[:4]
+    assert _legorl("tasks", "import", str(SHIPPED), "--run", str(run), *[a for i in ids for a in ("--id", i)]
+                   ).returncode == 0
+    proc = subprocess.Popen([LEGORL, "grade", "--run", str(run), "--gold", "--concurrency", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    deadline = time.monotonic() + 300
+    while not shards.part_files(run / "grades") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = len(shards.part_files(run / "grades"))
+    assert 1 <= first < len(ids), "the kill should land mid-run"
+    rerun = _legorl("grade", "--run", str(run), "--gold", "--concurrency", "2", "--json")
+    assert rerun.returncode == 0, rerun.stderr
+    assert json.loads(rerun.stdout)["skipped"] == first
+    assert _owned_containers(proc.pid) == []  # the rerun's reaper removed what the killed run left
+    dataset = shards.read(run / "grades", Kind.GRADES)
+    assert dataset.duplicates == 0
+    assert sorted(dataset.table.column("task_id").to_pylist()) == ids
+    assert set(dataset.table.column("reward").to_pylist()) == {1.0}
