@@ -60,7 +60,7 @@ def load_tasks(n: int) -> list[TaskRow]:
 
 def eval_script(task: TaskRow) -> str:
     """A SWE-bench eval script: reset the test files, apply test_patch, run between the markers."""
-    from legorl.grading.grader import test_command
+    from legorl.grading.grader import command_for
     from legorl.grading.patches import touched_paths
 
     files = " ".join(touched_paths(task.test_patch))
@@ -68,7 +68,7 @@ def eval_script(task: TaskRow) -> str:
         "#!/bin/bash", "set -uxo pipefail", "cd /testbed",
         f"git checkout HEAD -- {files}",
         "git apply -v - <<'EOF_114329324912'", (task.test_patch or "").rstrip("\n"), "EOF_114329324912",
-        ": '>>>>> Start Test Output'", test_command(task), ": '>>>>> End Test Output'",
+        ": '>>>>> Start Test Output'", command_for(task), ": '>>>>> End Test Output'",
         f"git checkout HEAD -- {files}",
     ]) + "\n"
 

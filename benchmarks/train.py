@@ -98,7 +98,7 @@ def run_plain_trl(model_dir: Path, data: Any, group_size: int, updates: int, out
         stats["padded"] += (p + c) * len(prompts)
         return out
 
-    def reward(completions: Any, stored_reward: list[float], **kwargs: Any) -> list[float]:
+    def reward(completions: Any, stored_reward: list[float | None], **kwargs: Any) -> list[float | None]:
         return stored_reward
 
     n = len(data.sequences)

@@ -78,6 +78,18 @@ def write_tasks(run: Path, tasks: list[TaskRow]) -> None:
     shards.write(run / "tasks", Kind.TASKS, tasks)
 
 
+def import_one(run: Path, root: Path) -> TaskRow:
+    """Put one task in ``run/tasks`` the documented way (``legorl tasks import`` of the shipped set),
+    or the local task until the shipped set exists; returns it as stored."""
+    if SHIPPED.exists():
+        from legorl.tasks.importer import import_tasks
+
+        import_tasks(str(SHIPPED), run / "tasks", instance_ids=[shipped_tasks()[0].instance_id])
+    else:
+        write_tasks(run, [local_task(root)])
+    return shards.read_rows(run / "tasks", Kind.TASKS)[0]
+
+
 def fix_command(task: TaskRow) -> str:
     """A shell command applying the task's gold patch in /testbed."""
     return f"cd /testbed && printf %s {shlex.quote(task.patch or '')} | git apply -"

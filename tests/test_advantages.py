@@ -20,7 +20,7 @@ def test_grpo_group_normalisation_matches_formula_and_trl() -> None:
     rewards = [1.0, 0.0, 0.0, 1.0, 0.2, 0.9, 0.4, 0.4]
     groups = ["a"] * 4 + ["b"] * 4
     adv, stats = group_advantages(rewards, groups, "group")
-    for g, idx in (("a", range(4)), ("b", range(4, 8))):
+    for idx in (range(4), range(4, 8)):
         r = [rewards[i] for i in idx]
         for i in idx:
             assert adv[i] == pytest.approx((rewards[i] - statistics.fmean(r)) / (statistics.stdev(r) + EPS))
@@ -76,7 +76,7 @@ def test_trial_weighting_makes_segment_count_irrelevant() -> None:
     # grpo, trial weighting: segment factor T_seg / T_trial, so each trial's token weights sum to 1.
     scales = segment_scales(data, "grpo", "trial")
     assert scales == pytest.approx([1.0, 0.4, 0.6, 1.0])
-    per_trial = {}
+    per_trial: dict[str, float] = {}
     for seq, s in zip(data.sequences, scales, strict=True):
         per_trial[seq.trial_id] = per_trial.get(seq.trial_id, 0.0) + s  # in units of one sequence
     assert per_trial == pytest.approx({"t0": 1.0, "t1": 1.0, "t2": 1.0})

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from legorl import shards
-from legorl.grading.grader import GradeOptions, Grader, apply_script, test_command, tests_script
+from legorl.grading.grader import GradeOptions, Grader, apply_script, command_for, eval_script_for
 from legorl.grading.logparse import parse_pytest, split_log
 from legorl.grading.patches import touched_paths
 from legorl.grading.report import evaluate
@@ -177,7 +177,7 @@ def _unfiltered(task: TaskRow, patch: str, create: Callable[[SandboxSpec], Sandb
     box = create(SandboxSpec(image=base_image(), labels={"role": "test"}))
     try:
         install_testbed(box, task.repo_source or "", task.base_commit or "")
-        script = apply_script(patch) + tests_script(task, touched_paths(task.test_patch), test_command(task), 120)
+        script = apply_script(patch) + eval_script_for(task, touched_paths(task.test_patch), command_for(task), 120)
         box.put_file("/tmp/unfiltered.sh", script.encode())
         res = box.exec("bash /tmp/unfiltered.sh", timeout=300)
         return evaluate(parse_pytest(split_log(res.output).output), task.FAIL_TO_PASS, task.PASS_TO_PASS).resolution

@@ -149,8 +149,8 @@ def test_warmup_lowers_the_loss(tiny_model: Path, tmp_path: Path) -> None:
     model_dir = tmp_path / "m"
     shutil.copytree(tiny_model, model_dir)
     before = AutoModelForCausalLM.from_pretrained(model_dir).model.embed_tokens.weight.clone()
-    stats = warmup(model_dir, steps=12, batch_size=4, seq_len=128, lr=3e-3)
-    assert stats["last_loss"] < stats["first_loss"] - 0.5, stats
+    stats = warmup(model_dir, steps=8, batch_size=2, seq_len=96, lr=5e-3)
+    assert stats["last_loss"] < stats["first_loss"] - 0.3, stats
     after = AutoModelForCausalLM.from_pretrained(model_dir).model.embed_tokens.weight
     assert not torch.equal(before, after)
-    assert model_info(model_dir)["warmup_steps"] == 12
+    assert model_info(model_dir)["warmup_steps"] == 8 == stats["steps"]

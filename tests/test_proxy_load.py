@@ -21,80 +21,15 @@ from transformers import AutoTokenizer
 from legorl.engines.embedded import EmbeddedEngine
 from legorl.proxy.server import ProxyServer
 
-from proxy_support import ANTHROPIC_TOOLS, TOOLS, say, scripted_engine
+from proxy_support import ANTHROPIC_TOOLS, TOOLS, call_bash, say, scripted_engine
 
 
 @pytest.fixture(scope="module")
 def real_proxy(tiny_model: Path) -> Iterator[ProxyServer]:
-    engine = EmbeddedEngine(tiny_model, max_batch=64)
+    engine = EmbeddedEngine(tiny_model, max_batch=16)
     with ProxyServer(engine, tiny_model) as server:
         yield server
     asyncio.run(engine.close())
-
-
-async def _session(proxy: ProxyServer, i: int) -> tuple[str, list[dict[str, Any]]]:
-    """Two turns in session ``i`` with one of four client styles."""
-    sid = proxy.new_session()
-    kind = i % 4
-    user = f"Session {i}: please fix issue #{i * 7}."
-    if kind < 2:
-        oc = openai.AsyncOpenAI(base_url=proxy.openai_base_url(sid), api_key="x", max_retries=0)
-        msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent"}, {"role": "user", "content": user}]
-        for turn in range(2):
-            if kind == 0:
-                r = await oc.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=6, seed=i)
-                reply = r.choices[0].message.model_dump(exclude_none=True)
-            else:
-                parts = []
-                async for c in await oc.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=6,
-                                                                seed=i, stream=True):
-                    if c.choices and c.choices[0].delta.content:
-                        parts.append(c.choices[0].delta.content)
-                reply = {"role": "assistant", "content": "".join(parts)}
-            msgs += [reply, {"role": "user", "content": f"turn {turn} of session {i} done"}]
-        await oc.close()
-    else:
-        ac = anthropic.AsyncAnthropic(base_url=proxy.anthropic_base_url(sid), api_key="x", max_retries=0)
-        amsgs: list[dict[str, Any]] = [{"role": "user", "content": user}]
-        for turn in range(2):
-            if kind == 2:
-                m = await ac.messages.create(model="m", system="agent", messages=amsgs, tools=ANTHROPIC_TOOLS,
-                                             max_tokens=6)
-            else:
-                async with ac.messages.stream(model="m", system="agent", messages=amsgs, tools=ANTHROPIC_TOOLS,
-                                              max_tokens=6) as s:
-                    m = await s.get_final_message()
-            amsgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
-                      {"role": "user", "content": f"turn {turn} of session {i} done"}]
-        await ac.close()
-    return sid, msgs if kind < 2 else amsgs
-
-
-def test_64_concurrent_sessions_mixed(real_proxy: ProxyServer) -> None:
-    async def go() -> list[tuple[str, list[dict[str, Any]]]]:
-        return await asyncio.gather(*(_session(real_proxy, i) for i in range(64)))
-
-    results = asyncio.run(go())
-    r = real_proxy.renderer
-    assert len({sid for sid, _ in results}) == 64
-    for i, (sid, _) in enumerate(results):
-        cap = real_proxy.capture(sid)
-        assert len(cap.calls) == 2 and [c.segment for c in cap.calls] == [0, 0], i
-        assert [s.reason for s in cap.segments] == ["main"], i
-        seg = cap.segments[0]
-        assert sum(seg.loss_mask) == sum(c.completion_tokens for c in cap.calls) > 0
-        # Its own conversation, and exactly what the template renders for it.
-        assert f"Session {i}:" in cap.messages[1]["content"]
-        assert cap.messages[-1]["role"] == "assistant"
-        rendered = r.render(cap.messages, TOOLS, add_generation_prompt=False)
-        text = r.decode(seg.token_ids)
-        assert rendered.startswith(text) and rendered[len(text):] in ("\n", "<|im_end|>\n"), i
-        for j, other in enumerate(results):
-            if j != i:
-                assert f"Session {j}:" not in text
-
-
-# ------------------------------------------------------------------------------------ fuzzing
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +37,107 @@ def scripted_proxy(tiny_model: Path) -> Iterator[ProxyServer]:
     tok = AutoTokenizer.from_pretrained(tiny_model)
     with ProxyServer(scripted_engine(tok), tok) as server:
         yield server
+
+
+async def _session(proxy: ProxyServer, i: int, tools: bool) -> str:
+    """Two turns in session ``i`` with one of four client styles (OpenAI / Anthropic, streamed or not).
+
+    The first user message asks (scripted engine) for a tool call; the tool result asks for a text
+    reply; a reply without tool calls is answered by a user message.
+    """
+    sid = proxy.new_session()
+    kind = i % 4
+    first = f"Session {i}: fix issue #{i * 7}. " + call_bash(f"grep -n bug{i} .", f"Looking {i}.")
+    after = f"result of session {i} " + say(f"Fixed in session {i}.")
+    if kind < 2:
+        oc = openai.AsyncOpenAI(base_url=proxy.openai_base_url(sid), api_key="x", max_retries=0)
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent"}, {"role": "user", "content": first}]
+        kw: dict[str, Any] = {"tools": TOOLS} if tools else {}
+        for _ in range(2):
+            if kind == 0:
+                r = await oc.chat.completions.create(model="m", messages=msgs, max_tokens=40, seed=i, **kw)
+                reply = r.choices[0].message.model_dump(exclude_none=True)
+            else:
+                parts, calls = [], []
+                async for c in await oc.chat.completions.create(model="m", messages=msgs, max_tokens=40, seed=i,
+                                                                stream=True, **kw):
+                    if c.choices and c.choices[0].delta.content:
+                        parts.append(c.choices[0].delta.content)
+                    if c.choices and c.choices[0].delta.tool_calls:
+                        calls += [tc.model_dump(exclude_none=True) for tc in c.choices[0].delta.tool_calls]
+                reply = {"role": "assistant", "content": "".join(parts)}
+                if calls:
+                    reply["tool_calls"] = [{k: v for k, v in tc.items() if k != "index"} for tc in calls]
+            msgs.append(reply)
+            if reply.get("tool_calls"):
+                msgs.append({"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": after})
+            else:
+                msgs.append({"role": "user", "content": after})
+        await oc.close()
+    else:
+        ac = anthropic.AsyncAnthropic(base_url=proxy.anthropic_base_url(sid), api_key="x", max_retries=0)
+        amsgs: list[dict[str, Any]] = [{"role": "user", "content": first}]
+        akw: dict[str, Any] = {"tools": ANTHROPIC_TOOLS} if tools else {}
+        for _ in range(2):
+            if kind == 2:
+                m = await ac.messages.create(model="m", system="agent", messages=amsgs, max_tokens=40, **akw)
+            else:
+                async with ac.messages.stream(model="m", system="agent", messages=amsgs, max_tokens=40, **akw) as s:
+                    m = await s.get_final_message()
+            amsgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]})
+            uses = [b for b in m.content if b.type == "tool_use"]
+            if uses:
+                amsgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                           "content": after}]})
+            else:
+                amsgs.append({"role": "user", "content": after})
+        await ac.close()
+    return sid
+
+
+def _check_sessions(proxy: ProxyServer, sids: list[str], tools: bool, exact: bool) -> None:
+    r = proxy.renderer
+    assert len(set(sids)) == len(sids)
+    for i, sid in enumerate(sids):
+        cap = proxy.capture(sid)
+        assert len(cap.calls) == 2 and [c.segment for c in cap.calls] == [0, 0], i
+        assert [s.reason for s in cap.segments] == ["main"], i
+        seg = cap.segments[0]
+        assert sum(seg.loss_mask) == sum(c.completion_tokens for c in cap.calls) > 0
+        # Its own conversation, and exactly what the template renders for it.
+        assert f"Session {i}:" in cap.messages[1]["content"]
+        assert cap.messages[-1]["role"] == "assistant"
+        rendered = r.render(cap.messages, TOOLS if tools else None, add_generation_prompt=False)
+        text = r.decode(seg.token_ids)
+        at = next((k for k, (a, b) in enumerate(zip(rendered, text)) if a != b), len(text))
+        assert rendered.startswith(text) and rendered[len(text):] in ("\n", "<|im_end|>\n"), (
+            i, at, text[at - 30 : at + 30], rendered[at - 30 : at + 30])
+        if exact:  # scripted replies: the tool call, then the text the tool result asked for
+            assert cap.messages[2]["tool_calls"][0]["function"]["arguments"] == json.dumps({"command": f"grep -n bug{i} ."})
+            assert cap.messages[-1]["content"] == f"Fixed in session {i}."
+            assert seg.token_ids == r.encode(rendered)[: len(seg.token_ids)]
+        for j in range(len(sids)):
+            if j != i:
+                assert f"Session {j}:" not in text and f"session {j} " not in text
+
+
+def test_64_concurrent_sessions_mixed(scripted_proxy: ProxyServer) -> None:
+    async def go() -> list[str]:
+        return await asyncio.gather(*(_session(scripted_proxy, i, tools=True) for i in range(64)))
+
+    _check_sessions(scripted_proxy, asyncio.run(go()), tools=True, exact=True)
+
+
+def test_concurrent_sessions_real_model(real_proxy: ProxyServer) -> None:
+    """The same traffic on the embedded engine (batched decoding), fewer sessions: CPU time."""
+
+    async def go() -> list[str]:
+        return await asyncio.gather(*(_session(real_proxy, i, tools=False) for i in range(16)))
+
+    _check_sessions(real_proxy, asyncio.run(go()), tools=False, exact=False)
+
+
+# ------------------------------------------------------------------------------------ fuzzing
 
 
 _json = st.recursive(

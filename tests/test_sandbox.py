@@ -202,6 +202,12 @@ def test_limits_and_labels_are_set(image: str) -> None:
         assert box.exec("cat /proc/1/cmdline | tr '\\0' ' '").output.startswith("/run/podman-init")
 
 
+def test_workdir_missing_from_the_image_is_created(image: str) -> None:
+    with PodmanBackend().create(SandboxSpec(image=image, workdir="/work/repo")) as box:
+        assert box.exec("pwd").output == "/work/repo\n"
+        assert box.exec(["pwd"], workdir="/").output == "/\n"
+
+
 def test_missing_image_is_a_clear_error() -> None:
     if shutil.which("podman") is None:
         pytest.skip("podman is not installed")

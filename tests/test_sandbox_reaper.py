@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -41,10 +43,9 @@ def cmdlines() -> list[str]:
     out = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
-            try:
-                out.append(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace"))
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+                out.append(raw.replace(b"\0", b" ").decode(errors="replace"))
     return out
 
 

@@ -76,3 +76,14 @@ def test_setup_without_image(tmp_path: Path) -> None:
     steps = {s["name"]: s for s in report["steps"]}
     assert steps["base image"]["status"] == "skipped"
     assert (tmp_path / "cache" / "containers.conf").exists()
+
+
+def test_missing_podman_says_what_to_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no podman, runc or debootstrap
+    step = host.ensure_tools(install=False)
+    assert step.status == "manual" and "apt-get install -y podman runc" in step.detail
+    from legorl.errors import LegorlError
+    from legorl.sandbox import PodmanBackend, SandboxSpec
+
+    with pytest.raises(LegorlError, match=r"podman is not installed.*legorl setup"):
+        PodmanBackend().create(SandboxSpec(image=host.base_image()))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_support import TrialSpec, make_run
 
 from legorl import shards
 from legorl.errors import LegorlError
@@ -19,7 +20,6 @@ from legorl.stages.train import _build_trainer, latest_checkpoint, prepare, run_
 from legorl.training.batching import make_batches
 from legorl.training.config import TrainConfig
 from legorl.training.data import load_step
-from train_support import TrialSpec, make_run
 
 # Two groups; one trial of t1 is split into two segments (a fork) to exercise trial weighting.
 SPECS = [
@@ -251,7 +251,7 @@ def test_resume_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:
     from transformers import TrainerCallback
 
     class StopAfterFirstUpdate(TrainerCallback):  # stands in for a killed process
-        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
                 control.should_training_stop = True
             return control
@@ -280,3 +280,25 @@ def test_resume_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:
     state = torch.load(nxt.checkpoint / "optimizer.pt", weights_only=False)["state"]
     assert {int(s["step"]) for s in state.values()} == {4}
     assert math.isfinite(nxt.metrics["loss"])
+
+
+def test_cli_train_json_and_one_line_errors(exact_run: RunDir, tiny_model: Path, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from legorl.cli.app import app
+
+    runner = CliRunner()
+    out = tmp_path / "ckpts"
+    result = runner.invoke(app, ["train", "--run", str(exact_run.root), "--model", str(tiny_model), "--out", str(out),
+                                 "--loss", "dapo", "--is", "sequence", "--is-cap", "3", "--lr", "1e-5", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["checkpoint"] == str(out / "step-0") and report["updates"] == 1
+    assert (out / "latest").read_text().strip() == "step-0"
+    bad = runner.invoke(app, ["train", "--run", str(tmp_path / "empty"), "--model", str(tiny_model)])
+    assert bad.exit_code != 0
+    assert isinstance(bad.exception, LegorlError) and "no rollouts" in str(bad.exception)
+    bad = runner.invoke(app, ["train", "--run", str(exact_run.root), "--model", str(tiny_model), "--loss", "ppo"])
+    assert isinstance(bad.exception, LegorlError) and "unknown loss 'ppo'" in str(bad.exception)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_support import TrialSpec, make_run
 
 from legorl import shards
 from legorl.paths import RunDir
 from legorl.schemas import Kind
 from legorl.stages.train import run_train
 from legorl.training.config import TrainConfig
-from train_support import TrialSpec, make_run
 
 SPECS = [TrialSpec("t1", i, r) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
 SHOWN = ("routing/natural_flip_rate", "routing/effective_flip_rate", "fidelity/logprob_pearson",

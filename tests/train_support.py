@@ -94,12 +94,11 @@ def make_run(
     rng = np.random.default_rng(seed)
     for k, spec in enumerate(specs):
         gen = torch.Generator().manual_seed(seed * 1000 + k)
-        prompt = tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             [{"role": "user", "content": f"Fix task {spec.task}; attempt {spec.sample}."}],
-            tokenize=True, add_generation_prompt=True,
+            tokenize=False, add_generation_prompt=True,
         )
-        if not isinstance(prompt, list):
-            prompt = list(prompt["input_ids"])
+        prompt: list[int] = tokenizer.encode(text, add_special_tokens=False)
         ids, mask, logps, routing = sample_segment(model, prompt, tool, turns, gen)
         if logprob_noise:
             logps = [lp + float(rng.normal(0, logprob_noise)) if m else 0.0 for lp, m in zip(logps, mask, strict=True)]

@@ -121,10 +121,26 @@ class _Request:
     cancelled: bool = False
 
     def emit(self, item: TokenChunk | BaseException) -> None:
+        _deliver([(self, item)])
+
+
+def _deliver(items: list[tuple[_Request, TokenChunk | BaseException]]) -> None:
+    """Hand items to their requests' event loops: one wake-up per loop, not one per item (a
+    cross-thread wake-up costs a GIL hand-off, which adds up at one token per request per step)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, TokenChunk | BaseException]]] = {}
+    for req, item in items:
+        by_loop.setdefault(req.loop, []).append((req, item))
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
-        except RuntimeError:  # the request's event loop is gone
-            self.cancelled = True
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the requests' event loop is gone
+            for req, _ in batch:
+                req.cancelled = True
+
+
+def _put_all(batch: list[tuple[_Request, TokenChunk | BaseException]]) -> None:
+    for req, item in batch:
+        req.out.put_nowait(item)
 
 
 @dataclass
@@ -343,8 +359,10 @@ class EmbeddedEngine:
         if routing is not None:
             req.routing.append(routing)
         tok, lp = self._sample(logits, [req])
-        if not self._accept(req, tok[0], lp[0]):
+        out: list[tuple[_Request, TokenChunk | BaseException]] = []
+        if not self._accept(req, tok[0], lp[0], out):
             batch.add(req, cache, len(req.prompt), tok[0])
+        _deliver(out)
 
     def _decode_step(self, batch: _Batch) -> None:
         batch.drop([i for i, r in enumerate(batch.rows) if r.cancelled])
@@ -366,11 +384,13 @@ class EmbeddedEngine:
                 r.routing.append(routing[i : i + 1])
         toks, lps = self._sample(logits, batch.rows)
         done = []
+        out: list[tuple[_Request, TokenChunk | BaseException]] = []
         for i, r in enumerate(batch.rows):
             batch.pos[i] += 1
             batch.next_ids[i] = toks[i]
-            if self._accept(r, toks[i], lps[i]):
+            if self._accept(r, toks[i], lps[i], out):
                 done.append(i)
+        _deliver(out)
         batch.drop(done)
 
     def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[list[int], list[float]]:
@@ -387,8 +407,8 @@ class EmbeddedEngine:
         picked = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
         return tok.tolist(), picked.tolist()
 
-    def _accept(self, req: _Request, tok: int, lp: float) -> bool:
-        """Record one sampled token and stream it; True when the sequence is finished."""
+    def _accept(self, req: _Request, tok: int, lp: float, out: list[tuple[_Request, TokenChunk | BaseException]]) -> bool:
+        """Record one sampled token and queue its chunk in ``out``; True when the sequence is finished."""
         req.tokens.append(tok)
         req.logprobs.append(lp)
         finished = tok in req.stop or len(req.tokens) >= req.max_new or req.cancelled
@@ -401,7 +421,7 @@ class EmbeddedEngine:
                 routed_experts=self._routing(req),
                 prompt_tokens=len(req.prompt),
             )
-        req.emit(TokenChunk(token_ids=[tok], logprobs=[lp], final=final))
+        out.append((req, TokenChunk(token_ids=[tok], logprobs=[lp], final=final)))
         return finished
 
     def _routing(self, req: _Request) -> np.ndarray | None:

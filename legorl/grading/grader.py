@@ -44,7 +44,11 @@ from legorl.grading.report import evaluate, failed_report
 from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
 from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
 
-DEFAULT_TEST_COMMAND = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
+# SWE-bench's pytest command; a src/ layout is importable without installing the package.
+DEFAULT_TEST_COMMAND = (
+    'if [ -d src ]; then export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"; fi; '
+    "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
+)
 APPLY_FAILED = ">>>>> Patch Apply Failed"
 APPLIED = ">>>>> Applied Patch"
 TEST_PATCH_FAILED = ">>>>> Reset Failed"  # SWE-bench's marker: the hidden tests could not be put in place
@@ -74,15 +78,15 @@ class GradeOptions:
     run_empty: bool = False  # also run the tests for an empty patch (task validation)
 
 
-def test_files(test_patch: str | None) -> list[str]:
+def hidden_test_files(test_patch: str | None) -> list[str]:
     """The test files the default command runs: the Python files ``test_patch`` leaves in place."""
     from legorl.grading.patches import split_patch
 
     return [fp.new_path for fp in split_patch(test_patch or "") if fp.new_path and fp.new_path.endswith(".py")]
 
 
-def test_command(task: TaskRow) -> str:
-    files = test_files(task.test_patch)
+def command_for(task: TaskRow) -> str:
+    files = hidden_test_files(task.test_patch)
     command = task.test_command or DEFAULT_TEST_COMMAND
     if "{test_files}" in command:
         if not files:
@@ -115,7 +119,7 @@ def apply_script(patch: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def tests_script(task: TaskRow, hidden: list[str], command: str, timeout: float) -> str:
+def eval_script_for(task: TaskRow, hidden: list[str], command: str, timeout: float) -> str:
     """Shell: put the hidden tests in place (reset, then apply test_patch) and run the tests."""
     lines = ["cd /testbed", f"mkdir -p {WORK}"]
     for path in hidden:
@@ -207,7 +211,7 @@ class Grader:
         if not (patch or "").strip() and not self.options.run_empty:
             self._zero(out, GradeStatus.EMPTY_PATCH, "empty patch: nothing to grade", task)
             return
-        command = test_command(task)
+        command = command_for(task)
         parse = get_parser(task.log_parser)
         spec = SandboxSpec(
             image=self.image_for(task), labels={"role": "grade", "trial": out.trial_id, **self.options.labels},
@@ -229,7 +233,7 @@ class Grader:
                     out.dropped_paths = sorted({*out.dropped_paths, path})
                     log.append(f">>>>> legorl: restored {path} (pytest section changed)")
                 script = ""
-            script += tests_script(task, hidden, command, self.options.test_timeout)
+            script += eval_script_for(task, hidden, command, self.options.test_timeout)
             res = self._run(box, script, self.options.test_timeout + INFRA_SLACK_S)
             log.append(res.output)
             text = "\n".join(log)
@@ -302,6 +306,14 @@ class Grader:
         if not statuses and runner_missing:
             raise GradingInfraError(f"the test command could not start in {self.image_for(task)} "
                                     f"(exit {parts.exit_code}): {parts.output.strip()[-200:]}")
+        usage_error = parts.exit_code == 4 and "usage:" in parts.output and "error:" in parts.output
+        if not statuses and usage_error and (task.log_parser or "pytest") == "pytest":
+            # pytest's usage error: the command or the repository's own config asks for something
+            # the image lacks (a plugin's option, say). The patch cannot cause it (config edits
+            # are dropped), so it is the task's environment that is broken.
+            last = parts.output.strip().splitlines()[-1:] or [""]
+            raise GradingInfraError(f"pytest usage error (exit 4) for task {task.instance_id}: {last[0][:200]}; "
+                                    "set the task's test_command")
         report = evaluate(statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS)
         out.tests = report.tests
         if TIMED_OUT in text:

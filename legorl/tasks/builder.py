@@ -376,9 +376,9 @@ def make_task(lib: Library, repo: Path, mined: Mined, work: Path) -> tuple[TaskR
     _git(repo, "update-ref", ref, commit)
     # Run the files the failing tests live in (a test inherited from a mixin in tests/__init__.py
     # changes only that file), plus every test file the test_patch touches.
-    from legorl.grading.grader import test_files
+    from legorl.grading.grader import hidden_test_files
 
-    files = dict.fromkeys([*(t.split("::", 1)[0] for t in sorted(mined.broken)), *test_files(test_patch)])
+    files = dict.fromkeys([*(t.split("::", 1)[0] for t in sorted(mined.broken)), *hidden_test_files(test_patch)])
     run = [f for f in files if f in lib.test_files]
     task = TaskRow(
         instance_id=iid, repo=f"pypi/{lib.name}", base_commit=commit, patch=gold, test_patch=test_patch,

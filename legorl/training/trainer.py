@@ -46,7 +46,7 @@ _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime", "train_samples_per_sec
                   "train_loss", "num_tokens", "step_time")
 
 
-def stored_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) -> list[float]:
+def stored_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) -> list[float | None]:
     """TRL requires a reward source; ours are the grades shards, so this is never called."""
     raise RuntimeError("SegmentGRPOTrainer never scores completions: rewards come from the grades shards")
 
@@ -60,6 +60,8 @@ class RoutingWatch:
 
 
 class SegmentGRPOTrainer(GRPOTrainer):
+    _buffered_inputs: Any
+
     def __init__(
         self,
         model: Any,
@@ -104,25 +106,32 @@ class SegmentGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ data: whole groups, no generation
 
     def get_train_dataloader(self) -> DataLoader:
-        sampler = GroupBatchSampler(self.batches, repeat=self.num_iterations * self.args.steps_per_generation)
-        loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=identity, num_workers=0)
+        sampler = GroupBatchSampler(self.batches, repeat=self.num_iterations * self.steps_per_generation)
+        dataset: Any = self.train_dataset
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=identity, num_workers=0)
         return self.accelerator.prepare(loader)
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's buffering (one scored batch reused for ``num_iterations`` updates), with a split that
         keeps every row even when the batch size is not a multiple of the micro-batch count."""
-        if not self.model.training:
+        model: Any = self.model
+        if not model.training:
             raise LegorlError("SegmentGRPOTrainer trains only; evaluate with `legorl eval`")
-        generate_every = self.args.steps_per_generation * self.num_iterations
+        generate_every = self.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             scored = self._generate_and_score_completions(generation_batch)
             # Seeded by the update count, so a resumed run cuts the same micro-batches.
             generator = torch.Generator().manual_seed(self.legorl_config.seed * 1_000_003 + self.state.global_step)
-            self._buffered_inputs = split(scored, self.args.steps_per_generation, generator)
+            self._buffered_inputs = split(scored, self.steps_per_generation, generator)
         inputs: dict[str, Any] = self._buffered_inputs[self._step % len(self._buffered_inputs)]
         return inputs
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:  # type: ignore[override]
+    @property
+    def steps_per_generation(self) -> int:
+        args: Any = self.args
+        return int(args.steps_per_generation)
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         device = self.accelerator.device
         seqs = [self.step_data.sequences[int(row["seq"])] for row in inputs]
         padded = pad(seqs, self.pad_id)
@@ -131,7 +140,9 @@ class SegmentGRPOTrainer(GRPOTrainer):
         logits_to_keep = padded.completion_ids.shape[1]
         routing = padded.routing.to(device) if padded.routing is not None and self.uses_routing else None
 
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        model: Any = self.model
+        checkpointing_kwargs: Any = self.args.gradient_checkpointing_kwargs
+        with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
             old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing)
 
         mask = padded.loss_mask.to(device)

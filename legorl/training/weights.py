@@ -31,7 +31,11 @@ async def reload_embedded(engine: Engine, checkpoint: str | Path) -> None:
 class VLLMWeightPusher:
     """Pushes checkpoints into a running vLLM server over NCCL (one communicator per pusher)."""
 
-    def __init__(self, base_url: str, device: int | str = 0, group_port: int = 51216, timeout_s: float = 60.0):
+    def __init__(
+        self, base_url: str, device: int | str = 0, group_port: int = 51216, timeout_s: float = 60.0,
+        dtype: str = "bfloat16",
+    ):
+        """``dtype``: the server's weight dtype (what ``vllm serve --dtype`` loaded)."""
         try:
             from trl.generation.vllm_client import VLLMClient
         except ImportError as exc:  # pragma: no cover - depends on the GPU machine's install
@@ -43,15 +47,15 @@ class VLLMWeightPusher:
             raise LegorlError(f"vLLM weight transfer at {base_url} is not available: {exc}") from exc
         self.base_url = base_url.rstrip("/")
         self.device = device
+        self.dtype = dtype
 
     def push(self, checkpoint: str | Path) -> int:
         """Load ``checkpoint`` on the trainer's GPU and broadcast every tensor; returns how many."""
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(
-            f"cuda:{self.device}" if isinstance(self.device, int) else self.device
-        )
+        model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, self.dtype))
+        model.to(f"cuda:{self.device}" if isinstance(self.device, int) else self.device)
         self.client._post(f"{self.base_url}/pause", json={})
         try:
             with self.client.weight_update():
