@@ -240,3 +240,45 @@ def test_sigkill_mid_run_then_rerun(base_image: str, shipped: dict[str, TaskRow]
     assert dataset.duplicates == 0
     assert sorted(dataset.table.column("task_id").to_pylist()) == ids
     assert set(dataset.table.column("reward").to_pylist()) == {1.0}
+
+
+def test_unseen_task_in_the_documented_format(base_image: str, tmp_path: Path) -> None:
+    """A task the builder never made: a directory repo_source (relative to the JSONL), src layout,
+    no test_command (the default applies), test lists as JSON strings — gold 1, no-op 0."""
+    repo = tmp_path / "data" / "minilib"
+    (repo / "src" / "minilib").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    (repo / "src" / "minilib" / "__init__.py").write_text("def clamp(x, lo, hi):\n    return max(lo, min(x, lo))\n")
+    (repo / "tests" / "test_clamp.py").write_text("from minilib import clamp\n\ndef test_low():\n    assert clamp(-1, 0, 5) == 0\n")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                              capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "buggy")
+    base = git("rev-parse", "HEAD").strip()
+    (repo / "src" / "minilib" / "__init__.py").write_text("def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n")
+    gold = git("diff")
+    git("checkout", "-q", ".")
+    (repo / "tests" / "test_clamp.py").write_text(
+        "from minilib import clamp\n\ndef test_low():\n    assert clamp(-1, 0, 5) == 0\n\n"
+        "def test_mid():\n    assert clamp(3, 0, 5) == 3\n")
+    test_patch = git("diff")
+    git("checkout", "-q", ".")
+    row = {"instance_id": "acme__minilib-1", "repo": "acme/minilib", "base_commit": base, "patch": gold,
+           "test_patch": test_patch, "problem_statement": "clamp ignores hi", "version": "0.1",
+           "FAIL_TO_PASS": json.dumps(["tests/test_clamp.py::test_mid"]),
+           "PASS_TO_PASS": json.dumps(["tests/test_clamp.py::test_low"]), "repo_source": "minilib"}
+    (tmp_path / "data" / "tasks.jsonl").write_text(json.dumps(row) + "\n")
+    run = tmp_path / "run"
+    assert _legorl("tasks", "import", str(tmp_path / "data" / "tasks.jsonl"), "--run", str(run)).returncode == 0
+    (task,) = shards.read_rows(run / "tasks", Kind.TASKS)
+    grader = Grader(GradeOptions(test_timeout=120))
+    good = grader.grade(task, gold)
+    assert (good.reward, good.resolution) == (1.0, "FULL"), good.log
+    noop = grader.grade(task, _noop_patch(task))
+    assert noop.reward == 0.0 and noop.status == "graded"
+    assert {t.name: t.status for t in noop.tests} == {"tests/test_clamp.py::test_mid": "FAILED",
+                                                      "tests/test_clamp.py::test_low": "PASSED"}
