@@ -20,10 +20,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _model(kind: str, moe: bool) -> Path:
-    from legorl.models import init_model
+    from legorl.models import MODEL_RECIPE_VERSION, init_model
     from legorl.paths import cache_dir
 
-    out = cache_dir() / "test-models" / kind
+    out = cache_dir() / "test-models" / f"{kind}-v{MODEL_RECIPE_VERSION}"
     if not (out / "config.json").exists():
         init_model(out, moe=moe, size="tiny", seed=0)
     return out

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from legorl.engines.base import Engine, Generation, SamplingParams, TokenChunk
-from legorl.errors import ConfigError, LegorlError
-
-
-class PromptTooLong(LegorlError):
-    """The prompt leaves no room for a single generated token in the engine's context."""
+from legorl.engines.base import Engine, Generation, PromptTooLong, SamplingParams, TokenChunk
+from legorl.errors import ConfigError
 
 
 ENGINE_KINDS = ("embedded", "vllm", "scripted")

@@ -8,6 +8,12 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from legorl.errors import LegorlError
+
+
+class PromptTooLong(LegorlError):
+    """The prompt leaves no room for a single generated token in the engine's context."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from legorl.engines import PromptTooLong
+from legorl.engines.base import PromptTooLong
 from legorl.engines.base import Generation, SamplingParams, TokenChunk
 from legorl.errors import ConfigError, LegorlError
 
