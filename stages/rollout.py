@@ -261,7 +261,7 @@ class TrialRunner:
     def __init__(self, cfg: RolloutConfig, proxy: ProxyHandle, create: Callable[..., Any] | None = None):
         self.cfg = cfg
         self.proxy = proxy
-        self.run_dir = RunDir.at(cfg.run)
+        self.run_dir = RunDir.at(Path(cfg.run).resolve())  # harnesses run in other directories
         if create is None:
             from legorl.sandbox.podman import PodmanBackend
 

@@ -37,9 +37,9 @@ def base_image() -> str:
 
 
 def _rollout(tiny_model: Path, run: Path, complete: Callable[[object], str], **kw: object) -> list[TrialRow]:
-    engine = ScriptedEngine(str(tiny_model), complete, max_context=32768)  # type: ignore[arg-type]
+    engine = ScriptedEngine(str(tiny_model), complete, max_context=32768)
     opts: dict[str, object] = {"timeout_s": 180.0, "max_turns": 4, "retries": 1, "backoff_s": 0.1} | kw
-    cfg = RolloutConfig(run=run, **opts)  # type: ignore[arg-type]
+    cfg = RolloutConfig(run=run, **opts)
     with InProcessProxy(engine, str(tiny_model)) as proxy:
         rollout_stage(cfg, proxy)
     return sorted(shards.read_rows(run / "rollouts", Kind.ROLLOUTS), key=lambda r: r.trial_id)
@@ -186,3 +186,20 @@ def test_sigkill_then_rerun_runs_only_missing_trials(tiny_model: Path, base_imag
     data = shards.read(run / "rollouts", Kind.ROLLOUTS)
     assert data.table.num_rows == 3 and data.duplicates == 0
     assert _containers(run) == []
+
+
+def test_external_proxy_url(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
+    """`--proxy URL`: sessions are made and read over a running proxy's HTTP API."""
+    from legorl.proxy.server import ProxyServer
+    from legorl.stages.rollout import RemoteProxy
+
+    run = tmp_path / "run"
+    task = import_one(run, tmp_path)
+    engine = ScriptedEngine(str(tiny_model), scripted(solving_script("mini-swe-agent", task)), max_context=32768)
+    cfg = RolloutConfig(run=run, harnesses=["mini-swe-agent"], timeout_s=180, max_turns=4)
+    with ProxyServer(engine, str(tiny_model)) as server, RemoteProxy(server.base_url) as remote:
+        summary = rollout_stage(cfg, remote)
+    [row] = summary.rows
+    assert row.outcome == Outcome.SUBMITTED and row.model == "scripted"
+    assert len(row.calls) == 2 and row.segments and sum(row.segments[0].loss_mask) > 0
+    assert shards.read_rows(run / "rollouts", Kind.ROLLOUTS)[0].segments == row.segments

@@ -23,7 +23,10 @@ grades them again.
 from __future__ import annotations
 
 import base64
+import io
 import shlex
+import tarfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -162,6 +165,8 @@ class Grader:
 
             create = PodmanBackend().create
         self._create = create
+        self._tars: dict[tuple[str, str], bytes] = {}
+        self._tar_lock = threading.Lock()
 
     def image_for(self, task: TaskRow) -> str:
         if task.image:
@@ -220,21 +225,29 @@ class Grader:
         )
         box = self._create(spec)
         try:
-            self._prepare(box, task)
             configs = shared_configs(filtered.kept)
             script = apply_script(filtered.patch) if filtered.patch.strip() else "cd /testbed\n"
+            if not configs and self._streams(box, task):
+                # One exec does it all: the testbed and the script arrive as a tar on stdin.
+                script += eval_script_for(task, hidden, command, self.options.test_timeout)
+                res = self._run_streamed(box, task, script, self.options.test_timeout + INFRA_SLACK_S)
+                configs = []
+            else:
+                self._prepare(box, task)
+                res = None
             if configs:
-                res = self._run(box, script, INFRA_SLACK_S)
-                log.append(res.output)
-                if APPLIED not in res.output and filtered.patch.strip():
-                    self._applied(out, res.output, task, log)
+                applied = self._run(box, script, INFRA_SLACK_S)
+                log.append(applied.output)
+                if APPLIED not in applied.output and filtered.patch.strip():
+                    self._applied(out, applied.output, task, log)
                     return
                 for path in self._changed_configs(box, configs):
                     out.dropped_paths = sorted({*out.dropped_paths, path})
                     log.append(f">>>>> legorl: restored {path} (pytest section changed)")
                 script = ""
-            script += eval_script_for(task, hidden, command, self.options.test_timeout)
-            res = self._run(box, script, self.options.test_timeout + INFRA_SLACK_S)
+            if res is None:
+                script += eval_script_for(task, hidden, command, self.options.test_timeout)
+                res = self._run(box, script, self.options.test_timeout + INFRA_SLACK_S)
             log.append(res.output)
             text = "\n".join(log)
             out.log = text
@@ -249,6 +262,50 @@ class Grader:
             self._judge(out, text, parse, task)
         finally:
             box.remove()
+
+    @staticmethod
+    def _streams(box: Sandbox, task: TaskRow) -> bool:
+        """Whether the fast path applies: a repo_source to build from and an exec that takes stdin."""
+        import inspect
+
+        return bool(task.repo_source) and "stdin" in inspect.signature(box.exec).parameters
+
+    def _testbed_tar(self, task: TaskRow) -> bytes:
+        """``testbed/...`` as an uncompressed tar of the one-commit repository (cached per task)."""
+        from legorl.sandbox.testbed import prepare_repo
+
+        ref = task.repo_ref or task.base_commit or ""
+        key = (task.repo_source or "", ref)
+        with self._tar_lock:
+            cached = self._tars.get(key)
+        if cached is not None:
+            return cached
+        repo, _commit = prepare_repo(task.repo_source or "", ref)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            tar.add(repo, arcname="testbed", filter=lambda info: None if info.name.endswith(
+                "/.git/legorl-testbed") else info)
+        data = buf.getvalue()
+        with self._tar_lock:
+            self._tars[key] = data
+            while len(self._tars) > 64:
+                self._tars.pop(next(iter(self._tars)))
+        return data
+
+    def _run_streamed(self, box: Sandbox, task: TaskRow, script: str, timeout: float) -> ExecResult:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(f"{WORK.lstrip('/')}-script.sh")
+            info.size, info.mode = len(script.encode()), 0o700
+            tar.addfile(info, io.BytesIO(script.encode()))
+        # two archives back to back: -i reads past the first one's end marker
+        stdin = self._testbed_tar(task) + buf.getvalue()
+        unpack = (f"rm -rf /testbed && mkdir -p /testbed && tar -x -i --no-same-owner -C / -f - "
+                  f"&& exec bash {WORK}-script.sh")
+        res = box.exec(["sh", "-c", unpack], timeout=timeout, stdin=stdin)  # type: ignore[call-arg]
+        if res.exit_code in (125, 126, 127) and not box.alive():
+            raise GradingInfraError(f"the grading container is gone (exit {res.exit_code})")
+        return res
 
     def _prepare(self, box: Sandbox, task: TaskRow) -> None:
         from legorl.sandbox.testbed import install_testbed, strip_history

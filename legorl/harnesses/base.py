@@ -179,9 +179,10 @@ class BaseHarness:
     def mounts(self, trial_dir: Path) -> list[tuple[str, str, bool]]:
         if not self.in_container:
             return []
-        return [*self.install.mounts(), (str(trial_dir), CONTAINER_TRIAL_DIR, False)]
+        return [*self.install.mounts(), (str(trial_dir.resolve()), CONTAINER_TRIAL_DIR, False)]
 
     def paths(self, trial_dir: Path) -> TrialPaths:
+        trial_dir = trial_dir.resolve()
         paths = TrialPaths(trial_dir, CONTAINER_TRIAL_DIR if self.in_container else str(trial_dir))
         (trial_dir / "home").mkdir(parents=True, exist_ok=True)
         return paths
@@ -205,6 +206,7 @@ class BaseHarness:
 
     def run(self, trial: TrialSpec, sandbox: Sandbox, trial_dir: Path) -> HarnessRun:
         paths = self.paths(trial_dir)
+        trial_dir = paths.host
         launch = self.launch(trial, paths, sandbox)
         (trial_dir / "command.txt").write_text(shlex.join(launch.argv) + "\n")
         log = trial_dir / LOG_NAME

@@ -1,0 +1,127 @@
+"""Harness mechanics that need no container: outcomes, URLs, process-group kills, installs, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from legorl.errors import LegorlError
+from legorl.harnesses import HARNESSES, parse_names
+from legorl.harnesses.base import (
+    End,
+    HarnessRun,
+    Launch,
+    ProxyView,
+    classify,
+    container_url,
+    json_lines,
+    run_on_host,
+)
+from legorl.harnesses.install import RECIPES, find_python, installed, recipe
+from legorl.schemas import Outcome
+
+LEGORL = str(Path(sys.executable).parent / "legorl")
+
+
+def _run(end: End, exit_code: int | None = 0, timed_out: bool = False) -> HarnessRun:
+    return HarnessRun(end, None, exit_code, timed_out, 1.0, Path("/dev/null"))
+
+
+@pytest.mark.parametrize(
+    ("run", "proxy", "alive", "patch", "want"),
+    [
+        (_run(End.SUBMITTED), ProxyView(calls=3), False, "p", Outcome.INFRA_ERROR),  # sandbox died
+        (_run(End.CRASHED, 1), ProxyView(calls=2, engine_error="boom"), True, None, Outcome.INFRA_ERROR),
+        (_run(End.UNKNOWN, None, timed_out=True), ProxyView(calls=9), True, "p", Outcome.TIMEOUT),
+        (_run(End.FINISHED), ProxyView(calls=5, budget_stop="max_turns"), True, "p", Outcome.MAX_TURNS),
+        (_run(End.FINISHED), ProxyView(calls=5, budget_stop="context_overflow"), True, "", Outcome.CONTEXT_OVERFLOW),
+        (_run(End.FINISHED), ProxyView(calls=5, budget_stop="max_total_tokens"), True, "", Outcome.BUDGET),
+        (_run(End.API_ERROR, 1), ProxyView(calls=1), True, None, Outcome.INFRA_ERROR),
+        (_run(End.CRASHED, 1), ProxyView(calls=0), True, None, Outcome.INFRA_ERROR),  # never reached the model
+        (_run(End.CRASHED, 1), ProxyView(calls=2), True, None, Outcome.HARNESS_CRASH),
+        (_run(End.FINISHED), ProxyView(calls=2), True, "diff", Outcome.SUBMITTED),
+        (_run(End.FINISHED), ProxyView(calls=2), True, "", Outcome.NO_SUBMISSION),
+        (_run(End.SUBMITTED), ProxyView(calls=2), True, "", Outcome.SUBMITTED),
+        (_run(End.GAVE_UP, 0), ProxyView(calls=3), True, None, Outcome.NO_SUBMISSION),
+        (_run(End.MAX_TURNS), ProxyView(calls=3), True, None, Outcome.MAX_TURNS),
+        (_run(End.UNKNOWN, 0), ProxyView(calls=3), True, None, Outcome.NO_SUBMISSION),
+        (_run(End.UNKNOWN, 2), ProxyView(calls=3), True, None, Outcome.HARNESS_CRASH),
+    ],
+)
+def test_classify(run: HarnessRun, proxy: ProxyView, alive: bool, patch: str | None, want: Outcome) -> None:
+    outcome, _ = classify(run, proxy, alive, patch)
+    assert outcome == want
+
+
+def test_container_url_maps_host_loopback_only() -> None:
+    assert container_url("http://127.0.0.1:8123/sess/a/v1") == "http://10.0.2.2:8123/sess/a/v1"
+    assert container_url("http://localhost:9/sess/a") == "http://10.0.2.2:9/sess/a"
+    assert container_url("http://gpu-box:8000/sess/a/v1") == "http://gpu-box:8000/sess/a/v1"
+
+
+def test_json_lines_skips_noise(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    log.write_text('starting\n{"type": "a"}\n{broken\n[1]\n  {"type": "b"}\n')
+    assert [e["type"] for e in json_lines(log)] == ["a", "b"]
+
+
+def test_host_timeout_kills_the_whole_process_group(tmp_path: Path) -> None:
+    marker = tmp_path / "child.pid"
+    script = f"sleep 300 & echo $! > {marker}; wait"
+    start = time.monotonic()
+    res = run_on_host(Launch(["sh", "-c", script], dict(os.environ)), 1.0, tmp_path / "log", tmp_path)
+    assert res.timed_out and time.monotonic() - start < 10
+    child = int(marker.read_text())
+    time.sleep(0.2)
+    state = Path(f"/proc/{child}/stat")
+    assert not state.exists() or state.read_text().split()[2] == "Z"  # gone (or a reaped-soon zombie)
+
+
+def test_harness_names() -> None:
+    assert set(HARNESSES) == set(RECIPES) == {"mini-swe-agent", "openhands", "opencode", "claude-code"}
+    assert parse_names("all") == list(HARNESSES)
+    assert parse_names("opencode, mini-swe-agent") == ["opencode", "mini-swe-agent"]
+    with pytest.raises(LegorlError, match="unknown harness 'swe-agent'"):
+        parse_names("swe-agent")
+    with pytest.raises(LegorlError):
+        recipe("nope")
+
+
+def test_recipes_are_pinned() -> None:
+    for r in RECIPES.values():
+        assert r.version and all(("==" in p or "@" in p or p.startswith("litellm")) for p in r.packages)
+        assert any(r.version in p for p in r.packages)
+
+
+def test_find_python() -> None:
+    exe = find_python((3, 11))
+    assert subprocess.run([exe, "-c", "import sys; assert sys.version_info >= (3, 11)"]).returncode == 0
+    with pytest.raises(LegorlError, match="--python"):
+        find_python((3, 12), explicit="/bin/true")
+
+
+def test_harness_list_json() -> None:
+    proc = subprocess.run([LEGORL, "harness", "list", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert set(rows) == set(RECIPES)
+    for name, row in rows.items():
+        assert row["version"] == RECIPES[name].version
+        assert row["installed"] == (installed(name) is not None)
+        if row["installed"]:
+            assert row["works"], row
+
+
+def test_rollout_cli_needs_one_engine(tmp_path: Path) -> None:
+    proc = subprocess.run([LEGORL, "rollout", "--run", str(tmp_path), "--harness", "opencode"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "exactly one of --model" in proc.stderr
+    proc = subprocess.run([LEGORL, "rollout", "--run", str(tmp_path), "--harness", "nope", "--proxy", "http://x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "unknown harness 'nope'" in proc.stderr
