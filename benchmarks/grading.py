@@ -1,9 +1,10 @@
 """Grading wall time and throughput: legorl vs the official SWE-bench harness, same tasks, same
 concurrency, same podman.
 
-    .venv/bin/python benchmarks/grading.py [--tasks N] [--concurrency C]
+    .venv/bin/python benchmarks/grading.py [--tasks N] [--concurrency C] [--repeats R]
 
-Both grade the gold patch of the same N shipped tasks (examples/tasks), C at a time.
+Both grade the gold patch of the same N shipped tasks (examples/tasks), C at a time, R times each,
+alternating which goes first (the host is shared: the load average is printed next to each run).
 
 - SWE-bench (``swebench.harness.run_evaluation.run_instances``, in-process) talks Docker; it runs
   here through ``podman system service``'s Docker-compatible socket. Its per-instance images are
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,7 +118,8 @@ def docker_shim(workdir: Path) -> Path:
     return shim
 
 
-def run_swebench(tasks: list[TaskRow], images: dict[str, str], concurrency: int, workdir: Path) -> tuple[float, dict[str, bool]]:
+def run_swebench(tasks: list[TaskRow], images: dict[str, str], concurrency: int, workdir: Path,
+                 run_id: str = "bench") -> tuple[float, dict[str, bool]]:
     import docker.models.containers as containers
     from swebench.harness import run_evaluation
 
@@ -139,24 +142,24 @@ def run_swebench(tasks: list[TaskRow], images: dict[str, str], concurrency: int,
     os.chdir(workdir)
     try:
         start = time.monotonic()
-        run_evaluation.run_instances(predictions, instances, concurrency, "bench", timeout=600)
+        run_evaluation.run_instances(predictions, instances, concurrency, run_id, timeout=600)
         wall = time.monotonic() - start
     finally:
         os.chdir(cwd)
         containers.ContainerCollection.create = original
     resolved = {}
     for t in tasks:
-        report = workdir / "logs" / "run_evaluation" / "bench" / "gold" / t.instance_id / "report.json"
+        report = workdir / "logs" / "run_evaluation" / run_id / "gold" / t.instance_id / "report.json"
         resolved[t.instance_id] = bool(report.exists() and json.loads(report.read_text())[t.instance_id]["resolved"])
     return wall, resolved
 
 
-def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path) -> tuple[float, dict[str, bool]]:
+def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path, run_id: str = "run") -> tuple[float, dict[str, bool]]:
     from legorl import shards
     from legorl.schemas import Kind
     from legorl.stages.grade import gold_jobs, grade_stage
 
-    tasks_dir = workdir / "run" / "tasks"
+    tasks_dir = workdir / run_id / "tasks"
     shards.write(tasks_dir, Kind.TASKS, tasks)
     # warm the host-side testbed cache, as SWE-bench's images are built before its clock starts
     from legorl.sandbox.testbed import prepare_repo
@@ -164,7 +167,7 @@ def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path) -> tuple[f
     for t in tasks:
         prepare_repo(t.repo_source or "", t.base_commit or "")
     start = time.monotonic()
-    summary = grade_stage(tasks_dir, workdir / "run" / "grades", gold_jobs({t.instance_id: t for t in tasks}),
+    summary = grade_stage(tasks_dir, workdir / run_id / "grades", gold_jobs({t.instance_id: t for t in tasks}),
                           concurrency=concurrency, timeout=600)
     wall = time.monotonic() - start
     return wall, {r.task_id: bool(r.resolved) for r in summary.rows}
@@ -174,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
 
     from legorl.sandbox.host import base_image, podman_env, require_image
@@ -183,6 +187,8 @@ def main() -> None:
     tasks = load_tasks(args.tasks)
     workdir = Path(tempfile.mkdtemp(prefix="legorl-bench-grading-"))
     server = None
+    walls: dict[str, list[float]] = {"swebench": [], "legorl": []}
+    verdicts: dict[str, dict[str, bool]] = {}
     try:
         print(f"{len(tasks)} tasks, concurrency {args.concurrency}; building SWE-bench instance images (untimed)...",
               flush=True)
@@ -190,20 +196,35 @@ def main() -> None:
         server, socket = start_socket(workdir)
         os.environ.update({"DOCKER_HOST": socket, "CONTAINERS_CONF": podman_env()["CONTAINERS_CONF"]})
         os.environ["PATH"] = f"{docker_shim(workdir)}:{os.environ['PATH']}"
-        sweb_wall, sweb_ok = run_swebench(tasks, images, args.concurrency, workdir)
-        legorl_wall, legorl_ok = run_legorl(tasks, args.concurrency, workdir)
+        for rep in range(args.repeats):
+            order = ["swebench", "legorl"] if rep % 2 == 0 else ["legorl", "swebench"]
+            for name in order:
+                load = os.getloadavg()[0]
+                if name == "swebench":
+                    wall, ok = run_swebench(tasks, images, args.concurrency, workdir, run_id=f"bench{rep}")
+                else:
+                    wall, ok = run_legorl(tasks, args.concurrency, workdir, run_id=f"run{rep}")
+                walls[name].append(wall)
+                if verdicts.setdefault(name, ok) != ok:
+                    print(f"{name}: verdicts changed between repeats: {ok}", file=sys.stderr)
+                print(f"  repeat {rep + 1}: {name:9} {wall:6.1f} s  ({sum(ok.values())}/{len(ok)} resolved, "
+                      f"load {load:.1f})", flush=True)
     finally:
         if server is not None:
             server.terminate()
             server.wait(timeout=30)
         shutil.rmtree(workdir, ignore_errors=True)
     n = len(tasks)
-    print(f"{'':12} {'wall s':>8} {'s/task':>8} {'tasks/min':>10} {'resolved':>9}")
-    for name, wall, ok in (("swebench", sweb_wall, sweb_ok), ("legorl", legorl_wall, legorl_ok)):
-        print(f"{name:12} {wall:8.1f} {wall / n:8.2f} {60 * n / wall:10.1f} {sum(ok.values()):>5}/{n}")
-    print(f"ratio (legorl throughput / swebench throughput): {sweb_wall / legorl_wall:.2f}x")
-    if sweb_ok != legorl_ok:
-        print(f"verdicts differ: swebench {sweb_ok} legorl {legorl_ok}", file=sys.stderr)
+    print(f"{'':12} {'min s':>8} {'median s':>9} {'s/task':>8} {'tasks/min':>10} {'resolved':>9}")
+    for name in ("swebench", "legorl"):
+        best, med = min(walls[name]), statistics.median(walls[name])
+        print(f"{name:12} {best:8.1f} {med:9.1f} {med / n:8.2f} {60 * n / med:10.1f} "
+              f"{sum(verdicts[name].values()):>5}/{n}")
+    ratio_med = statistics.median(walls["swebench"]) / statistics.median(walls["legorl"])
+    ratio_min = min(walls["swebench"]) / min(walls["legorl"])
+    print(f"ratio (legorl throughput / swebench throughput): {ratio_med:.2f}x median, {ratio_min:.2f}x best")
+    if verdicts["swebench"] != verdicts["legorl"]:
+        print(f"verdicts differ: swebench {verdicts['swebench']} legorl {verdicts['legorl']}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -168,6 +168,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8, help="calls left out of the statistics")
     ap.add_argument("--engine-calls", type=int, default=24, help="calls timed on the embedded engine")
     ap.add_argument("--litellm", help="path of the litellm executable")
+    ap.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM comparison")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
@@ -215,7 +216,7 @@ def main() -> None:
         print(f"embedded tiny model (CPU) per call: p50 {e50:7.1f} ms  ({len(real)} calls, same prompts)")
         print(f"overhead as a fraction of engine time (p50/p50): {o50 / e50:.2%}")
 
-        binary = find_litellm(args.litellm)
+        binary = None if args.no_litellm else find_litellm(args.litellm)
         if binary is None:
             print("LiteLLM: not installed (see the module docstring); comparison skipped")
             return

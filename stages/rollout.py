@@ -351,8 +351,8 @@ class TrialRunner:
             return Attempt(outcome, error, run.exit_code, patch, capture, timings)
         except LegorlError as exc:  # sandbox, testbed, image, proxy session
             return Attempt(Outcome.INFRA_ERROR, str(exc).splitlines()[0], timings=timings)
-        except OSError as exc:
-            return Attempt(Outcome.INFRA_ERROR, f"{type(exc).__name__}: {exc}", timings=timings)
+        except Exception as exc:  # legorl's own failure is never the agent's: infra, retried, recorded
+            return Attempt(Outcome.INFRA_ERROR, f"{type(exc).__name__}: {exc}".splitlines()[0], timings=timings)
         finally:
             if session is not None:
                 with contextlib.suppress(Exception):  # the failed attempt's capture is dropped anyway

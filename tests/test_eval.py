@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from monitor_runs import HARNESSES, TASKS, make_run, write_step
@@ -92,6 +93,7 @@ def test_baseline_is_reported_on_the_same_tasks_and_harnesses(tmp_path: Path) ->
     assert b["run"] == "old" and b["steps"] == [0] and b["harnesses"] == [HARNESSES[0]]
     expected, infra = _hand_pass_at(base, 0, 1, HARNESSES[0])
     assert b["overall"]["pass_at"]["1"] == pytest.approx(expected, abs=1e-6)
+    assert b["infra_failures"] == infra
     assert b["ks"] == report["ks"]
     latest, _ = evaluation.build_eval_report(_settings(run, baseline=base, harnesses=[HARNESSES[0]]))
     assert latest["baseline"]["steps"] == [1]  # default: the baseline's latest eval step
@@ -121,9 +123,11 @@ def test_parse_ks_and_settings_errors() -> None:
     s = evaluation.EvalSettings(run=Path("r"), harnesses=["mini-swe-agent"])
     assert s.effective_temperature == 0.0  # one sample: greedy
     assert evaluation.EvalSettings(run=Path("r"), harnesses=["x"], samples=3).effective_temperature == 1.0
-    for kw in ({"samples": 0}, {"limit": 0}, {"temperature": -1.0}, {"harnesses": []}):
+    bad_options: list[dict[str, Any]] = [{"samples": 0}, {"limit": 0}, {"temperature": -1.0}, {"harnesses": []}]
+    for kw in bad_options:
         with pytest.raises(LegorlError):
-            evaluation.EvalSettings(**({"run": Path("r"), "harnesses": ["x"]} | kw)).validate()  # type: ignore[arg-type]
+            opts: dict[str, Any] = {"run": Path("r"), "harnesses": ["x"]} | kw
+            evaluation.EvalSettings(**opts).validate()
 
 
 def _cli(*args: str) -> tuple[int, str, str]:

@@ -78,7 +78,7 @@ def test_scripted_eval_report_predictions_grade_identically_and_rerun_is_identic
         text = str(getattr(call, "prompt_text", ""))
         return scripted(fix if "webcolors: " in text else botch)(call)
 
-    engine = ScriptedEngine(str(tiny_model), complete, max_context=32768)  # type: ignore[arg-type]
+    engine = ScriptedEngine(str(tiny_model), complete, max_context=32768)
     args = ["eval", "--run", str(run), "--harness", "mini-swe-agent", "--max-turns", "4", "--timeout", "180",
             "--concurrency", "2", "--retries", "1"]
     with ProxyServer(engine, str(tiny_model)) as server:

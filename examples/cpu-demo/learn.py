@@ -53,6 +53,7 @@ class DemoConfig:
     grade_concurrency: int = 3
     model: Path | None = None  # a warmed-up model to start from (skips init + warm-up)
     model_size: str = "tiny"
+    threads: int = 1  # torch intra-op threads: the other core runs podman (sandboxes, grading)
 
 
 @dataclass
@@ -150,6 +151,9 @@ def run_loop(cfg: DemoConfig) -> list[StepRecord]:
     from legorl.stages.train import latest_checkpoint, run_train
     from legorl.training.config import TrainConfig
 
+    import torch
+
+    torch.set_num_threads(cfg.threads)
     ensure_simple_harness()
     cfg.run.mkdir(parents=True, exist_ok=True)
     run = RunDir.at(cfg.run)

@@ -105,20 +105,14 @@ def train_format(
     data = examples(tokenizer, tasks)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    pad = tokenizer.pad_token_id
+    pad = int(tokenizer.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / 10) * 0.5 * (1 + math.cos(math.pi * i / steps)))
     t0 = time.perf_counter()
     first = last = float("nan")
     for step in range(steps):
-        batch = [data[rng.randrange(len(data))] for _ in range(batch_size)]
-        width = max(len(e.token_ids) for e in batch)
-        x = torch.tensor([e.token_ids + [pad] * (width - len(e.token_ids)) for e in batch])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(e.token_ids, e.loss_mask, strict=True)]
-                               + [-100] * (width - len(e.token_ids)) for e in batch])
-        attention = torch.tensor([[1] * len(e.token_ids) + [0] * (width - len(e.token_ids)) for e in batch])
-        loss = model(input_ids=x, attention_mask=attention, labels=labels).loss
+        loss = batch_loss(model, [data[rng.randrange(len(data))] for _ in range(batch_size)], pad)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -138,3 +132,44 @@ def train_format(
                         "last_loss": last}
     info_path.write_text(json.dumps(info))
     return {"first_loss": first, "last_loss": last, "seconds": seconds, "steps": steps, "examples": len(data)}
+
+
+def shared_prefix(batch: Sequence[Example]) -> int:
+    """How many leading tokens every example of ``batch`` shares, stopping before the first token
+    that is trained on (its logit must come from the batched part)."""
+    first = min(e.loss_mask.index(1) for e in batch)
+    n = 0
+    head = batch[0].token_ids
+    while n < first - 1 and all(e.token_ids[n] == head[n] for e in batch):
+        n += 1
+    return n
+
+
+def batch_loss(model: Any, batch: Sequence[Example], pad: int) -> Any:
+    """Mean next-token loss over the masked tokens of ``batch``: the same number as a padded full
+    forward pass, but the prefix every example shares (system prompt and tool schema, ~3/4 of each
+    example) runs once and its KV cache is repeated across the batch, gradient included."""
+    import torch
+
+    p = shared_prefix(batch)
+    b = len(batch)
+    prefix = torch.tensor([batch[0].token_ids[:p]])
+    out = model(input_ids=prefix, use_cache=True)
+    cache = out.cache if "cache" in out else out.past_key_values  # transformers >= 5.2x names it `cache`
+    cache.batch_repeat_interleave(b)
+    rest = [e.token_ids[p:] for e in batch]
+    width = max(len(r) for r in rest)
+    x = torch.tensor([r + [pad] * (width - len(r)) for r in rest])
+    attention = torch.tensor([[1] * (p + len(r)) + [0] * (width - len(r)) for r in rest])
+    positions = torch.arange(p, p + width).unsqueeze(0).expand(b, -1)
+    kwarg = "cache" if "cache" in out else "past_key_values"
+    logits = model(input_ids=x, attention_mask=attention, position_ids=positions, use_cache=True,
+                   **{kwarg: cache}).logits.float()
+    # logits[:, i] predicts token p + i + 1
+    mask = torch.tensor([e.loss_mask[p + 1:] + [0] * (width - len(e.token_ids) + p) for e in batch],
+                        dtype=torch.float32)
+    targets = torch.cat([x[:, 1:], torch.full((b, 1), pad)], dim=1)
+    mask = torch.cat([mask, torch.zeros(b, 1)], dim=1)[:, :width]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                            reduction="none").reshape(b, width)
+    return (nll * mask).sum() / mask.sum()
