@@ -42,6 +42,7 @@ TOOLS = [{"type": "function", "function": {
     "name": "bash", "description": "Run a shell command in the repository and return its output.",
     "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
 SYSTEM = "You are a careful software engineer. Fix the issue described by the user. " * 6
+MASTER_KEY = "sk-legorl-bench-0123456789abcdef"  # LiteLLM's proxy refuses to start without one
 RESULT = "src/parser.py:{n}: def parse(text: str) -> Node:  # returns the syntax tree of one statement\n" * 7
 
 
@@ -74,15 +75,16 @@ def run_traffic(base: str, sessions: int, turns: int, session_url: Any, model_of
     """Latency (s) of every call, sessions interleaved turn by turn, in a fixed order."""
     import httpx
 
-    client = httpx.Client(timeout=120)
+    client = httpx.Client(timeout=120, headers={"Authorization": f"Bearer {MASTER_KEY}"})
     convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Issue {s}: parse() drops comments."}]
              for s in range(sessions)]
     latencies: list[float] = []
     for turn in range(turns):
         for s in range(sessions):
-            body = {"model": model_of(s), "messages": convs[s], "tools": TOOLS, "max_tokens": 128}
-            t0 = time.perf_counter()
-            r = client.post(session_url(s) + "/chat/completions", json=body)
+            body = json.dumps({"model": model_of(s), "messages": convs[s], "tools": TOOLS, "max_tokens": 128})
+            t0 = time.perf_counter()  # the client's own JSON encoding is not the proxy's overhead
+            r = client.post(session_url(s) + "/chat/completions", content=body,
+                            headers={"content-type": "application/json"})
             latencies.append(time.perf_counter() - t0)
             r.raise_for_status()
             msg = r.json()["choices"][0]["message"]
@@ -141,7 +143,7 @@ def start_litellm(binary: str, proxy_base: str, sessions: int, port: int, workdi
     lines += ["litellm_settings:", "  drop_params: true", "  telemetry: false"]
     cfg = workdir / "litellm.yaml"
     cfg.write_text("\n".join(lines) + "\n")
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "HOME": str(workdir)}
+    env = {**os.environ, "LITELLM_MASTER_KEY": MASTER_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "HOME": str(workdir)}
     proc = subprocess.Popen([binary, "--config", str(cfg), "--port", str(port), "--host", "127.0.0.1",
                              "--num_workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                             cwd=workdir)

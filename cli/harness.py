@@ -22,11 +22,14 @@ def install_command(
     """Install a harness into its own cached environment (a venv or an npm prefix), pinned."""
     import time
 
-    from legorl.harnesses import parse_names
+    from legorl.harnesses import HARNESSES, parse_names
     from legorl.harnesses.install import check, install, recipe
 
     results = []
     for harness in parse_names(name):
+        if not HARNESSES[harness].needs_install:
+            console.print(f"{harness}: runs inside legorl, nothing to install")
+            continue
         start = time.monotonic()
         with console.status(f"installing {harness} {recipe(harness).version} …"):
             inst = install(harness, force=force, python=python)

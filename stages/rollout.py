@@ -476,7 +476,8 @@ def rollout_stage(
     if not jobs:
         return summary
     for name in cfg.harnesses:
-        require(name)  # install (cached) before any sandbox starts
+        if get_harness(name).needs_install:
+            require(name)  # install (cached) before any sandbox starts
     if create is None:
         from legorl.sandbox.host import require_image
 

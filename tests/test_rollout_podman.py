@@ -203,3 +203,14 @@ def test_external_proxy_url(tiny_model: Path, base_image: str, tmp_path: Path) -
     assert row.outcome == Outcome.SUBMITTED and row.model == "scripted"
     assert len(row.calls) == 2 and row.segments and sum(row.segments[0].loss_mask) > 0
     assert shards.read_rows(run / "rollouts", Kind.ROLLOUTS)[0].segments == row.segments
+
+
+@pytest.mark.xfail(strict=True, reason="proxy rejects messages[].role == 'system' (Claude Code >= 2.1.250)")
+def test_claude_code_scripted_fix_grades_to_one(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    task = import_one(run, tmp_path)
+    [row] = _rollout(tiny_model, run, scripted(solving_script("claude-code", task)), harnesses=["claude-code"],
+                     retries=0)
+    assert row.outcome == Outcome.SUBMITTED, row.error
+    jobs, _ = rollout_jobs(run / "rollouts")
+    assert [g.reward for g in grade_stage(run / "tasks", run / "grades", jobs).rows] == [1.0]

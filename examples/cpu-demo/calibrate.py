@@ -52,13 +52,15 @@ def solve_rate(model_dir: Path, tasks: list[DemoTask], samples: int, seed: int =
     torch.manual_seed(seed)
     wins = total = 0
     for task in tasks:
-        prompt = tok.apply_chat_template(conversation(task)[:2], tools=[BASH_TOOL], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)
+        ids = tok.apply_chat_template(conversation(task)[:2], tools=[BASH_TOOL], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        prompt = torch.tensor([list(ids)])
         with torch.no_grad():
-            out = model.generate(**prompt, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=80,
+            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=80,
                                  num_return_sequences=samples)
         for row in out:
-            text = tok.decode(row[prompt["input_ids"].shape[1]:], skip_special_tokens=False)
+            text = str(tok.decode(row[prompt.shape[1]:], skip_special_tokens=False))
             wins += solved(task, text)
             total += 1
     return wins / total

@@ -27,14 +27,7 @@ from pathlib import Path
 from legorl.errors import LegorlError
 
 KINDS = ("op", "const", "offset")
-_WORDS = (
-    "alpha amber apple arrow aspen basil birch blaze brick cedar chalk cider cliff clove cobalt coral "
-    "crane daisy delta dune ember fable fern flint frost gale garnet ginger glade grain harbor hazel "
-    "heron indigo iris ivory jade juniper kelp lark lemon lilac linen lotus maple marble meadow mint "
-    "moss nectar noble oak olive onyx opal orchid pearl pebble pine plume poppy quartz raven reed "
-    "ridge river robin sage sand shell sierra slate sorrel spruce stone storm sugar swift thyme "
-    "tide timber topaz tulip velvet violet willow winter zephyr"
-).split()
+_WORDS = ["alpha", "amber", "apple", "arrow", "aspen", "basil", "birch", "blaze", "brick", "cedar", "chalk", "cider", "cliff", "clove", "cobalt", "coral", "crane", "daisy", "delta", "dune", "ember", "fable", "fern", "flint", "frost", "gale", "garnet", "ginger", "glade", "grain", "harbor", "hazel", "heron", "indigo", "iris", "ivory", "jade", "juniper", "kelp", "lark", "lemon", "lilac", "linen", "lotus", "maple", "marble", "meadow", "mint", "moss", "nectar", "noble", "oak", "olive", "onyx", "opal", "orchid", "pearl", "pebble", "pine", "plume", "poppy", "quartz", "raven", "reed", "ridge", "river", "robin", "sage", "sand", "shell", "sierra", "slate", "sorrel", "spruce", "stone", "storm", "sugar", "swift", "thyme", "tide", "timber", "topaz", "tulip", "velvet", "violet", "willow", "winter", "zephyr"]
 _VARS = ("a", "b", "x", "y", "n", "m", "p", "q", "u", "v", "s", "t")
 _DATE = "946684800 +0000"  # 2000-01-01: commit ids depend only on the seed
 
@@ -181,7 +174,7 @@ def write_bundle(tasks: list[DemoTask], bundle: Path) -> dict[str, str]:
     return {t.instance_id: by_mark[f":{i}"] for i, t in enumerate(tasks, 1)}
 
 
-def task_rows(tasks: list[DemoTask], commits: dict[str, str], bundle_name: str) -> list[dict[str, object]]:
+def task_rows(tasks: list[DemoTask], commits: dict[str, str], bundle_name: str) -> list[dict[str, str]]:
     """SWE-bench-schema rows (``repo_source`` relative to the rows' file)."""
     rows = []
     for t in tasks:

@@ -65,6 +65,9 @@ APPLY_METHODS = (
 WORK = "/tmp/.legorl-grade"
 MAX_LOG_CHARS = 200_000
 INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
+# stdin holds two tars back to back (the testbed, then the script): -i reads past the first's end
+_UNPACK = (f"rm -rf /testbed && mkdir -p /testbed && tar -x -i --no-same-owner -C / -f - "
+           f"&& exec bash {WORK}-script.sh")
 
 
 class GradingInfraError(LegorlError):
@@ -165,6 +168,9 @@ class Grader:
 
             create = PodmanBackend().create
         self._create = create
+        # A backend that can run a whole grade as one container command (PodmanBackend.run_once)
+        # is used for it; any other ``create`` gets the create / exec / remove path.
+        self._run_once: Callable[..., ExecResult] | None = getattr(getattr(create, "__self__", None), "run_once", None)
         self._tars: dict[tuple[str, str], bytes] = {}
         self._tar_lock = threading.Lock()
 
@@ -223,10 +229,17 @@ class Grader:
             network=False, memory=self.options.memory, cpus=self.options.cpus,
             deadline_s=self.options.test_timeout + 2 * INFRA_SLACK_S,
         )
+        configs = shared_configs(filtered.kept)
+        script = apply_script(filtered.patch) if filtered.patch.strip() else "cd /testbed\n"
+        if not configs and task.repo_source and self._run_once is not None:
+            # The fast path: one `podman run --rm -i` creates, runs and removes the container.
+            script += eval_script_for(task, hidden, command, self.options.test_timeout)
+            fresh = self._run_fresh(task, spec, script, self.options.test_timeout + INFRA_SLACK_S)
+            self._finish(out, task, filtered.patch, log, fresh, parse, alive=None)
+            return
         box = self._create(spec)
         try:
-            configs = shared_configs(filtered.kept)
-            script = apply_script(filtered.patch) if filtered.patch.strip() else "cd /testbed\n"
+            res: ExecResult | None
             if not configs and self._streams(box, task):
                 # One exec does it all: the testbed and the script arrive as a tar on stdin.
                 script += eval_script_for(task, hidden, command, self.options.test_timeout)
@@ -248,20 +261,30 @@ class Grader:
             if res is None:
                 script += eval_script_for(task, hidden, command, self.options.test_timeout)
                 res = self._run(box, script, self.options.test_timeout + INFRA_SLACK_S)
-            log.append(res.output)
-            text = "\n".join(log)
-            out.log = text
-            if filtered.patch.strip() and not self._applied(out, text, task, log):
-                return
-            if TEST_PATCH_FAILED in res.output:
-                raise GradingInfraError(f"task {task.instance_id}: its test_patch does not apply to the testbed")
-            if res.timed_out or END_MARKER not in res.output:
-                if not box.alive():
-                    raise GradingInfraError("the grading container died during the test run")
-                raise GradingInfraError(f"the grading script did not finish (exit {res.exit_code})")
-            self._judge(out, text, parse, task)
+            self._finish(out, task, filtered.patch, log, res, parse, alive=box.alive)
         finally:
             box.remove()
+
+    def _finish(self, out: GradeRow, task: TaskRow, patch: str, log: list[str], res: ExecResult,
+                parse: Callable[[str], TestStatuses], alive: Callable[[], bool] | None) -> None:
+        """Judge the grading script's output; ``alive`` asks whether its container still runs
+        (None: the container was the script's own and is gone)."""
+        log.append(res.output)
+        text = "\n".join(log)
+        out.log = text
+        if patch.strip() and not self._applied(out, text, task, log):
+            return
+        if TEST_PATCH_FAILED in res.output:
+            raise GradingInfraError(f"task {task.instance_id}: its test_patch does not apply to the testbed")
+        if res.timed_out or END_MARKER not in res.output:
+            if alive is None:
+                if res.timed_out:
+                    raise GradingInfraError(f"the grading script did not finish in {res.duration_s:.0f} s")
+                raise GradingInfraError(f"the grading container died during the test run (exit {res.exit_code})")
+            if not alive():
+                raise GradingInfraError("the grading container died during the test run")
+            raise GradingInfraError(f"the grading script did not finish (exit {res.exit_code})")
+        self._judge(out, text, parse, task)
 
     @staticmethod
     def _streams(box: Sandbox, task: TaskRow) -> bool:
@@ -292,19 +315,30 @@ class Grader:
                 self._tars.pop(next(iter(self._tars)))
         return data
 
-    def _run_streamed(self, box: Sandbox, task: TaskRow, script: str, timeout: float) -> ExecResult:
+    @staticmethod
+    def _script_tar(script: str) -> bytes:
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             info = tarfile.TarInfo(f"{WORK.lstrip('/')}-script.sh")
             info.size, info.mode = len(script.encode()), 0o700
             tar.addfile(info, io.BytesIO(script.encode()))
-        # two archives back to back: -i reads past the first one's end marker
-        stdin = self._testbed_tar(task) + buf.getvalue()
-        unpack = (f"rm -rf /testbed && mkdir -p /testbed && tar -x -i --no-same-owner -C / -f - "
-                  f"&& exec bash {WORK}-script.sh")
-        res = box.exec(["sh", "-c", unpack], timeout=timeout, stdin=stdin)  # type: ignore[call-arg]
+        return buf.getvalue()
+
+    def _run_streamed(self, box: Sandbox, task: TaskRow, script: str, timeout: float) -> ExecResult:
+        stdin = self._testbed_tar(task) + self._script_tar(script)
+        res = box.exec(["sh", "-c", _UNPACK], timeout=timeout, stdin=stdin)  # type: ignore[call-arg]
         if res.exit_code in (125, 126, 127) and not box.alive():
             raise GradingInfraError(f"the grading container is gone (exit {res.exit_code})")
+        return res
+
+    def _run_fresh(self, task: TaskRow, spec: SandboxSpec, script: str, timeout: float) -> ExecResult:
+        """The whole grade in one fresh container: testbed + script on stdin, removed when done."""
+        assert self._run_once is not None
+        stdin = self._testbed_tar(task) + self._script_tar(script)
+        res = self._run_once(spec, ["sh", "-c", _UNPACK], stdin=stdin, timeout=timeout)
+        if res.exit_code == 125 and END_MARKER not in res.output:  # podman's own failure
+            last = res.output.strip().splitlines()[-1:] or [""]
+            raise GradingInfraError(f"podman could not run the grading container: {last[0][:300]}")
         return res
 
     def _prepare(self, box: Sandbox, task: TaskRow) -> None:

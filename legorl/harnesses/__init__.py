@@ -8,10 +8,12 @@ from legorl.harnesses.claude_code import ClaudeCode
 from legorl.harnesses.mini_swe_agent import MiniSweAgent
 from legorl.harnesses.opencode import OpenCode
 from legorl.harnesses.openhands import OpenHands
+from legorl.harnesses.simple import SimpleHarness
 
-HARNESSES: dict[str, type[BaseHarness]] = {
-    cls.name: cls for cls in (MiniSweAgent, OpenHands, OpenCode, ClaudeCode)
-}
+# The four real harnesses (``all``), then legorl's own minimal driver for tiny demo models.
+REAL: tuple[type[BaseHarness], ...] = (MiniSweAgent, OpenHands, OpenCode, ClaudeCode)
+_ALL: list[type[BaseHarness]] = [*REAL, SimpleHarness]
+HARNESSES: dict[str, type[BaseHarness]] = {cls.name: cls for cls in _ALL}
 
 
 def get(name: str) -> BaseHarness:
@@ -23,8 +25,8 @@ def get(name: str) -> BaseHarness:
 
 
 def parse_names(spec: str) -> list[str]:
-    """``"a,b"`` or ``"all"`` → harness names, each checked."""
-    names = list(HARNESSES) if spec.strip() == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    """``"a,b"`` or ``"all"`` (the four real harnesses) → harness names, each checked."""
+    names = [cls.name for cls in REAL] if spec.strip() == "all" else [n.strip() for n in spec.split(",") if n.strip()]
     if not names:
         raise LegorlError("--harness: give at least one harness name")
     for name in names:

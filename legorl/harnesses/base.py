@@ -154,6 +154,7 @@ class BaseHarness:
 
     name: ClassVar[str]
     in_container: ClassVar[bool]
+    needs_install: ClassVar[bool] = True  # False: runs in legorl's own process (nothing to install)
 
     def __init__(self, install: Installation | None = None) -> None:
         self._install = install

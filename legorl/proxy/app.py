@@ -22,6 +22,7 @@ cannot create sessions themselves; a per-trial URL is all they are given). ``/tr
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -206,24 +207,32 @@ class ProxyApp:
     # ------------------------------------------------------------------ model calls
 
     async def _chat(self, send: Send, session: Session, body: Any, api: str) -> None:
-        renderer = self.core.renderer
+        req: ChatRequest
+        opts: openai_api.OpenAIOptions | anthropic_api.AnthropicOptions
         try:
             if api == "openai":
-                req, oopts = openai_api.parse_request(body, self.core.engine.name)
+                req, opts = openai_api.parse_request(body, self.core.engine.name)
             else:
-                req, aopts = anthropic_api.parse_request(body, self.core.engine.name)
+                req, opts = anthropic_api.parse_request(body, self.core.engine.name)
         except BadRequest:
             raise
         except Exception as exc:  # input the validators did not foresee is still bad input
             raise BadRequest(f"invalid request: {type(exc).__name__}: {exc}") from None
+        try:
+            await self._respond(send, session, req, api, opts)
+        finally:
+            asyncio.get_running_loop().call_soon(_prepare, session)
+
+    async def _respond(self, send: Send, session: Session, req: ChatRequest, api: str, opts: Any) -> None:
+        renderer = self.core.renderer
         events = self.core.call(session, req)
         if not req.stream:
             result = await _consume(events)
-            out = openai_api.response(result, oopts, renderer) if api == "openai" else anthropic_api.response(result, aopts)
+            out = openai_api.response(result, opts, renderer) if api == "openai" else anthropic_api.response(result, opts)
             await _json(send, 200, out)
             return
         stream: openai_api.ChunkStream | anthropic_api.EventStream
-        stream = openai_api.ChunkStream(oopts) if api == "openai" else anthropic_api.EventStream(aopts)
+        stream = openai_api.ChunkStream(opts) if api == "openai" else anthropic_api.EventStream(opts)
         started = False
         alive = True
         streamed = ""
@@ -262,6 +271,14 @@ class ProxyApp:
         if alive:
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _prepare(session: Session) -> None:
+    if not session.lock.locked():  # a request in flight renders for itself
+        try:
+            session.prepare()
+        except Exception:  # the next request will meet (and report) the same problem
+            log.exception("session %s: rendering ahead failed", session.id)
 
 
 async def _consume(events: Any) -> CallResult:

@@ -205,8 +205,7 @@ class ProxyCore:
                         raise RuntimeError("the engine's stream ended without a final chunk")
                 else:
                     gen = await self.engine.generate(plan.prompt_ids, params)
-                    for tid in gen.token_ids:
-                        text.push(tid)
+                    text.ids = list(gen.token_ids)  # no stop strings: one decode at the end suffices
             except PromptTooLong:
                 if budgets.context_overflow == "error":
                     raise ContextOverflow("the prompt does not fit the engine's context") from None

@@ -97,6 +97,7 @@ class _SegmentState:
     messages: list[Message] = field(default_factory=list)
     sampled_turns: set[int] = field(default_factory=set)  # indices into messages of sampled replies
     render_text: str | None = None  # template render of ``messages``; None = cannot be extended
+    pending_prompt: str | None = None  # render_text is still to be computed (see Session.prepare)
     last_sampled: list[int] = field(default_factory=list)
 
     def to_segment(self) -> Segment:
@@ -214,7 +215,10 @@ class Session:
         for idx in range(len(self.segments) - 1, -1, -1):
             seg = self.segments[idx]
             n = len(seg.messages)
-            if seg.render_text is None or seg.tools_key != key or len(messages) <= n:
+            if seg.tools_key != key or len(messages) <= n:
+                continue
+            self._ensure_render(seg)
+            if seg.render_text is None:
                 continue
             if not all(
                 same_assistant_turn(seg.messages[i], messages[i]) if i in seg.sampled_turns
@@ -253,13 +257,8 @@ class Session:
 
     def commit(self, plan: Plan, gen: Generation, reply: Message) -> int:
         """Append a call's prompt suffix and sampled tokens; returns the segment index."""
-        renderer = self.renderer
         messages = [*plan.messages, reply]
         sampled_turns = {*plan.sampled_turns, len(messages) - 1}
-        render_text: str | None = renderer.render(messages, plan.tools, add_generation_prompt=False)
-        assert render_text is not None
-        if not (render_text.startswith(plan.prompt_text) and render_text.endswith(renderer.closing)):
-            render_text = None  # the template does not reproduce its own generation prompt
         with self._mu:
             if plan.segment is None:
                 seg = _SegmentState(
@@ -281,12 +280,32 @@ class Session:
             self._add_routing(seg, gen, held, len(plan.prompt_ids))
             seg.messages = messages
             seg.sampled_turns = sampled_turns
-            seg.render_text = render_text
+            seg.render_text = None
+            seg.pending_prompt = plan.prompt_text
             seg.last_sampled = list(gen.token_ids)
             self.turns += 1
             if plan.reason != SegmentReason.AUXILIARY:
                 self.final_messages = messages
         return index
+
+    def _ensure_render(self, seg: _SegmentState) -> None:
+        """Render the held conversation (the text the next request must start with), once.
+
+        The template must reproduce the prompt it generated from followed by a normally closed
+        assistant turn; if it does not (it re-renders earlier turns), the segment is not extended.
+        """
+        if seg.pending_prompt is None:
+            return
+        text = self.renderer.render(seg.messages, seg.tools, add_generation_prompt=False)
+        ok = text.startswith(seg.pending_prompt) and text.endswith(self.renderer.closing)
+        seg.render_text = text if ok else None
+        seg.pending_prompt = None
+
+    def prepare(self) -> None:
+        """Do the rendering the next request would need now (called while the harness runs its
+        tool, after a response is sent, so it stays off the latency path). Safe to skip."""
+        for seg in self.segments:
+            self._ensure_render(seg)
 
     @staticmethod
     def _add_routing(seg: _SegmentState, gen: Generation, held: int, prompt_len: int) -> None:

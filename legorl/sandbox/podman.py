@@ -10,6 +10,10 @@ run does dozens of them, so those go through a private ``podman system service``
 (``PodmanBackend(api="cli")`` forces the CLI). Harnesses that shell out to ``podman exec``
 (mini-swe-agent) work the same with either.
 
+A job that needs no back-and-forth with the container (grading) uses :meth:`PodmanBackend.run_once`
+instead: one ``podman run --rm -i`` with its input on stdin creates, runs and removes the container
+in a single podman call.
+
 A container runs ``sleep infinity`` under ``--init`` (catatonit as PID 1, so removal is instant and
 zombies are reaped); every command is a ``podman exec``. A command's timeout is enforced *inside*
 the container by coreutils ``timeout``, which runs the command in its own process group and
@@ -121,10 +125,17 @@ class PodmanBackend:
         self._images_checked: set[str] = set()
         self._lock = threading.Lock()
 
-    def run_args(self, spec: SandboxSpec, name: str) -> list[str]:
-        """The ``podman run`` arguments for a spec (public so harnesses can reuse the policy)."""
+    def run_args(self, spec: SandboxSpec, name: str, command: list[str] | None = None, *,
+                 detach: bool = True) -> list[str]:
+        """The ``podman run`` arguments for a spec (public so harnesses can reuse the policy).
+
+        ``detach=False`` (with a ``command``) is the one-shot form :meth:`run_once` uses:
+        ``--rm -i``, stdin attached, the container removed by podman when its command exits.
+        """
         labels = {**owner_labels(spec.deadline_s), **{_label_key(k): v for k, v in spec.labels.items()}}
-        args = ["run", "-d", "--name", name, "--hostname", "sandbox"]
+        args = ["run", "-d" if detach else "--rm", "--name", name, "--hostname", "sandbox"]
+        if not detach:
+            args.append("-i")
         if spec.init:
             args.append("--init")
         if spec.network:
@@ -142,19 +153,22 @@ class PodmanBackend:
             args += ["-v", f"{os.path.abspath(host)}:{ctr}{':ro' if read_only else ''}"]
         for key, value in spec.env.items():
             args += ["-e", f"{key}={value}"]
-        command = list(spec.command)
+        command = list(spec.command if command is None else command)
         if spec.workdir:
             # runc does not create a missing -w directory (the container never starts), so the
             # container makes it; execs then default to it.
             command = ["sh", "-c", 'mkdir -p "$0" && exec "$@"', spec.workdir, *command]
         return [*args, spec.image, *command]
 
+    def _check_image(self, image: str) -> None:
+        with self._lock:
+            if image not in self._images_checked:
+                require_image(image)
+                self._images_checked.add(image)
+
     def create(self, spec: SandboxSpec) -> PodmanSandbox:
         """Start a fresh container for ``spec``; it is removed on exit, SIGTERM, or by the reaper."""
-        with self._lock:
-            if spec.image not in self._images_checked:
-                require_image(spec.image)
-                self._images_checked.add(spec.image)
+        self._check_image(spec.image)
         _install_handlers()
         name = _container_name(spec.labels)
         box = PodmanSandbox(name, spec, get_service() if self.api == "auto" else None)
@@ -166,6 +180,45 @@ class PodmanBackend:
             err = proc.stderr.decode(errors="replace").strip().splitlines()
             raise SandboxError(f"could not start a container from {spec.image}: {err[-1] if err else proc.returncode}")
         return box
+
+    def run_once(self, spec: SandboxSpec, argv: list[str], *, stdin: bytes | None = None,
+                 timeout: float | None = None) -> ExecResult:
+        """Run ``argv`` as the only command of a fresh container and remove it: one ``podman run
+        --rm -i`` for what :meth:`create`, an exec and a removal do in three podman calls.
+
+        ``stdin`` is piped to the command; stdout and stderr come back interleaved (podman's own
+        errors last; exit 125 is podman's). ``spec.command`` is not used. With a ``timeout`` the
+        container is removed (everything in it killed) when it expires, and the result has
+        ``timed_out=True``. Removal on every exit path: podman removes the container when the
+        command exits, this process's exit handlers when it is terminated, and the reaper (owner
+        and deadline labels) when it is SIGKILLed.
+        """
+        self._check_image(spec.image)
+        _install_handlers()
+        name = _container_name(spec.labels)
+        box = PodmanSandbox(name, spec, None)
+        with _live_lock:
+            _live[name] = box  # a signal before podman's own --rm removes it goes through _remove_all
+        command = ["sh", "-c", 'exec 2>&1; exec "$@"', "sh", *argv]
+        start = time.monotonic()
+        clean = False
+        try:
+            proc = subprocess.run([podman_path(), *self.run_args(spec, name, command, detach=False)],
+                                  input=stdin if stdin is not None else b"", capture_output=True, env=podman_env(),
+                                  timeout=timeout)
+            clean = proc.returncode != 125  # 125: podman itself failed, maybe half-way through
+        except subprocess.TimeoutExpired as exc:  # the client is killed; the container is removed below
+            out = exc.stdout or b""
+            return ExecResult(137, out.decode(errors="replace"), True, time.monotonic() - start)
+        finally:
+            if clean:
+                box._removed = True
+                with _live_lock:
+                    _live.pop(name, None)
+            else:
+                box.remove()
+        return ExecResult(proc.returncode, (proc.stdout + proc.stderr).decode(errors="replace"), False,
+                          time.monotonic() - start)
 
 
 class PodmanSandbox:
