@@ -68,7 +68,7 @@ def serve(model: str) -> None:
 
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def run_traffic(base: str, sessions: int, turns: int, session_url: Any, model_of: Any) -> list[float]:
@@ -209,6 +209,7 @@ def main() -> None:
 
         o50, o99 = pct(overhead, 0.5) * 1e3, pct(overhead, 0.99) * 1e3
         e50 = statistics.median(real) * 1e3
+        print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} (timings scale with it)")
         print(f"workload: {S} sessions x {T} turns, non-streamed OpenAI calls with tools; prompts "
               f"{len(prompts[0])}..{max(len(p) for p in prompts)} tokens; completion {n_tokens} tokens")
         print("engine behind the proxy: ScriptedEngine (fixed completion, deterministic, ~free) — "

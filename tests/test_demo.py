@@ -22,10 +22,9 @@ def test_task_family_is_deterministic_and_varied() -> None:
     assert generate(30, seed=6) != a
     assert {t.kind for t in a} == set(KINDS)
     assert len({t.instance_id for t in a}) == 30
-    assert len({t.statement for t in a}) == 30
+    assert len({(t.statement, t.source) for t in a}) == 30
     for t in a:
-        assert t.source.count(t.old) == 1 and t.old != t.new
-        assert t.old in t.statement and t.new in t.statement and t.filename in t.statement
+        assert t.source != t.fixed_source and t.filename in t.statement
 
 
 def _pytest(cwd: Path, test_file: str) -> dict[str, str]:
@@ -127,7 +126,7 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
     run = tmp_path / "run"
     import_stage(str(write_task_set(tmp_path / "set", 1, seed=3)), run / "tasks")
     task = generate(1, seed=3)[0]
-    wrong = f"sed -i 's/{task.old}/{task.old} + 1/' {task.filename}"
+    wrong = f"sed -i 's/ = .*/ = 0/' {task.filename}"  # breaks the neighbour too
 
     def reply(call: ScriptedCall) -> str:
         if "<tool_response>" in call.prompt_text:

@@ -17,6 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from proxy_support import ANTHROPIC_TOOLS, TOOLS, call_bash, say, scripted_engine
 from transformers import AutoTokenizer
 
 from legorl import shards
@@ -24,8 +25,6 @@ from legorl.paths import RunDir
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.server import ProxyServer
 from legorl.schemas import Kind, SegmentReason
-
-from proxy_support import ANTHROPIC_TOOLS, TOOLS, call_bash, say, scripted_engine
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,13 @@ import numpy as np
 import openai
 import pytest
 import torch
+from proxy_support import TOOLS
 from transformers import AutoModelForCausalLM
 
 from legorl.engines.embedded import EmbeddedEngine, process_logits
 from legorl.proxy.server import ProxyServer
 from legorl.routing import capture_routing, count_flips, replay_routing
 from legorl.schemas import Segment
-
-from proxy_support import TOOLS
 
 
 def _serve(model_dir: Path) -> Iterator[tuple[ProxyServer, Any]]:

@@ -16,12 +16,11 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from proxy_support import ANTHROPIC_TOOLS, TOOLS, call_bash, say, scripted_engine
 from transformers import AutoTokenizer
 
 from legorl.engines.embedded import EmbeddedEngine
 from legorl.proxy.server import ProxyServer
-
-from proxy_support import ANTHROPIC_TOOLS, TOOLS, call_bash, say, scripted_engine
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +111,7 @@ def _check_sessions(proxy: ProxyServer, sids: list[str], tools: bool, exact: boo
         # (it is what was sampled) and the proxy closes the turn with <|im_end|> as the template does.
         text = r.decode(seg.token_ids).replace("<|endoftext|><|im_end|>", "<|im_end|>")
         text = text.removesuffix("<|endoftext|>")
-        at = next((k for k, (a, b) in enumerate(zip(rendered, text)) if a != b), len(text))
+        at = next((k for k, (a, b) in enumerate(zip(rendered, text, strict=False)) if a != b), len(text))
         assert rendered.startswith(text) and rendered[len(text):] in ("\n", "<|im_end|>\n"), (
             i, at, text[at - 30 : at + 30], rendered[at - 30 : at + 30])
         if exact:  # scripted replies: the tool call, then the text the tool result asked for

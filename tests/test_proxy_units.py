@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from proxy_support import TOOLS, tool_call_text
 from transformers import AutoTokenizer
 
 from legorl.engines.base import Generation
@@ -18,8 +19,6 @@ from legorl.proxy.sessions import Session, same_assistant_turn
 from legorl.proxy.textstream import TextAssembler
 from legorl.proxy.toolparse import HermesParser, detect_parser, get_parser
 from legorl.schemas import SegmentReason
-
-from proxy_support import TOOLS, tool_call_text
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +271,14 @@ def test_routing_is_assembled_per_segment(renderer: ChatRenderer) -> None:
     assert (arr[: p + t - 1] == routing[:-1]).all()  # what was recorded when sampled stays
     assert (arr[p + t - 1] == 7).all()  # the -1 row is filled from the next call's prefill
     assert (arr[p + t :] == 7).all()
+
+
+def test_turn_ended_by_another_stop_token_is_closed_by_the_template(renderer: ChatRenderer) -> None:
+    s = Session("s", renderer, Budgets())
+    msgs = [{"role": "user", "content": "hi"}]
+    eos = renderer.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    plan = s.plan(msgs, None)
+    s.commit(plan, Generation(token_ids=[*renderer.encode("yo"), eos], logprobs=[-1.0] * 2), {"role": "assistant", "content": "yo"})
+    plan2 = s.plan([*msgs, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}], None)
+    assert plan2.segment == 0
+    assert renderer.decode(plan2.new_ids).startswith("<|im_end|>\n<|im_start|>user\nx")

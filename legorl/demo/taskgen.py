@@ -1,14 +1,18 @@
 """A family of tiny repair tasks, generated deterministically from a seed, in SWE-bench's schema.
 
 Each task is a one-file repository (``<module>.py``) holding one small bug and one correct
-neighbour. The problem statement names the file and the wrong and right code, so the fix is one
-``sed`` substitution a small model can learn to write; the hidden tests (``test_patch``) check the
-fixed value (FAIL_TO_PASS) and the neighbour (PASS_TO_PASS), so a substitution that also hits the
-neighbour, or breaks the file, fails. Three kinds of bug:
+neighbour; the fix is one ``sed`` substitution. The hidden tests (``test_patch``) check the fixed
+value (FAIL_TO_PASS) and the neighbour (PASS_TO_PASS), so a substitution that also hits the
+neighbour, or breaks the file, fails. Two kinds, each with two phrasings of the statement:
 
-- ``op``: ``return x - y`` should be ``return x + y`` (or the other way round);
-- ``const``: ``LIMIT = 17`` should be ``LIMIT = 42``;
-- ``offset``: ``return n + 3`` should be ``return n + 8``.
+- ``set``: "Set `DEPTH` to 7 in limits.py." — the model must copy the name, the value and the
+  file name out of the statement (``sed -i 's/DEPTH = .*/DEPTH = 7/' limits.py``);
+- ``flip``: "`merge` in config.py should add, not subtract." — it must turn the words into the
+  operators and copy the file name (``sed -i 's/a - b/a + b/' config.py``).
+
+The pools (6 files, 8 names, values 2–9, 6 functions) are small on purpose: a ~5 M-parameter
+model learns the format in a few dozen supervised steps but the copying only partly, so it
+starts with some successes and has something left to learn from rewards.
 
 All repositories go into one git bundle (one parentless commit per task, written with
 ``git fast-import``); ``repo_source`` names the bundle and ``base_commit`` the task's commit, so
@@ -26,9 +30,10 @@ from pathlib import Path
 
 from legorl.errors import LegorlError
 
-KINDS = ("op", "const", "offset")
-_WORDS = ["alpha", "amber", "apple", "arrow", "aspen", "basil", "birch", "blaze", "brick", "cedar", "chalk", "cider", "cliff", "clove", "cobalt", "coral", "crane", "daisy", "delta", "dune", "ember", "fable", "fern", "flint", "frost", "gale", "garnet", "ginger", "glade", "grain", "harbor", "hazel", "heron", "indigo", "iris", "ivory", "jade", "juniper", "kelp", "lark", "lemon", "lilac", "linen", "lotus", "maple", "marble", "meadow", "mint", "moss", "nectar", "noble", "oak", "olive", "onyx", "opal", "orchid", "pearl", "pebble", "pine", "plume", "poppy", "quartz", "raven", "reed", "ridge", "river", "robin", "sage", "sand", "shell", "sierra", "slate", "sorrel", "spruce", "stone", "storm", "sugar", "swift", "thyme", "tide", "timber", "topaz", "tulip", "velvet", "violet", "willow", "winter", "zephyr"]
-_VARS = ("a", "b", "x", "y", "n", "m", "p", "q", "u", "v", "s", "t")
+KINDS = ("set", "flip")
+_FILES = ("config", "settings", "limits", "params", "defaults", "options")
+_NAMES = ("LIMIT", "SIZE", "DEPTH", "WIDTH", "COUNT", "RETRIES", "TIMEOUT", "LEVEL")
+_FUNCS = ("total", "combine", "merge", "join", "mix", "blend")
 _DATE = "946684800 +0000"  # 2000-01-01: commit ids depend only on the seed
 
 
@@ -40,8 +45,8 @@ class DemoTask:
     kind: str
     module: str  # file name without .py
     source: str  # the buggy file
-    old: str  # the wrong line's code (unique in the file)
-    new: str  # what it should be
+    fixed_source: str
+    fix_command: str  # the canonical fix as the driver's bash command (what the warm-up teaches)
     tests: str  # the hidden test file
     statement: str
 
@@ -53,66 +58,41 @@ class DemoTask:
     def test_filename(self) -> str:
         return f"test_{self.module}.py"
 
-    @property
-    def fixed_source(self) -> str:
-        return self.source.replace(self.old, self.new)
-
-    @property
-    def fix_command(self) -> str:
-        """The canonical fix as the driver's bash command (what the warm-up teaches)."""
-        return f"sed -i 's/{self.old}/{self.new}/' {self.filename}"
-
-
-def _statement(rng: random.Random, func: str, module: str, old: str, new: str) -> str:
-    forms = (
-        "In {m}.py, `{f}` has a bug: replace `{o}` with `{n}`.",
-        "`{f}` in {m}.py is wrong. Change `{o}` to `{n}`.",
-    )
-    return rng.choice(forms).format(m=module, f=func, o=old, n=new)
-
 
 def make_task(rng: random.Random, index: int, kind: str) -> DemoTask:
-    words = rng.sample(_WORDS, 3)
-    module, f_bug, f_ok = words[0], f"get_{words[1]}", f"get_{words[2]}"
-    if kind == "op":
-        x, y, u, v = rng.sample(_VARS, 4)
-        right, wrong = rng.choice((("+", "-"), ("-", "+")))
-        ok_op = rng.choice("+-")
-        old, new = f"{x} {wrong} {y}", f"{x} {right} {y}"
-        source = (f"def {f_bug}({x}, {y}):\n    return {old}\n\n\n"
-                  f"def {f_ok}({u}, {v}):\n    return {u} {ok_op} {v}\n")
-        a, b = rng.randint(10, 99), rng.randint(1, 9)
-        want = a + b if right == "+" else a - b
-        ok_want = a + b if ok_op == "+" else a - b
-        tests = (f"from {module} import {f_bug}, {f_ok}\n\n\n"
-                 f"def test_{f_bug}():\n    assert {f_bug}({a}, {b}) == {want}\n\n\n"
-                 f"def test_{f_ok}():\n    assert {f_ok}({a}, {b}) == {ok_want}\n")
-        func = f_bug
-    elif kind == "const":
-        name, other = words[1].upper(), words[2].upper()
-        old_v, new_v, other_v = rng.sample(range(2, 99), 3)
-        old, new = f"{name} = {old_v}", f"{name} = {new_v}"
-        source = f"{old}\n{other} = {other_v}\n"
+    module = rng.choice(_FILES)
+    if kind == "set":
+        name, other = rng.sample(_NAMES, 2)
+        old_v, new_v, other_v = rng.sample(range(2, 10), 3)
+        lines = [f"{name} = {old_v}", f"{other} = {other_v}"]
+        rng.shuffle(lines)
+        source = "\n".join(lines) + "\n"
+        fixed = source.replace(f"{name} = {old_v}", f"{name} = {new_v}")
+        command = f"sed -i 's/{name} = .*/{name} = {new_v}/' {module}.py"
+        statement = rng.choice((f"Set `{name}` to {new_v} in {module}.py.",
+                                f"In {module}.py, `{name}` should be {new_v}."))
         tests = (f"from {module} import {name}, {other}\n\n\n"
                  f"def test_{name.lower()}():\n    assert {name} == {new_v}\n\n\n"
                  f"def test_{other.lower()}():\n    assert {other} == {other_v}\n")
-        func = name
-    elif kind == "offset":
-        x = rng.choice(_VARS)
-        k_old, k_new, k_ok = rng.sample(range(2, 10), 3)
-        old, new = f"{x} + {k_old}", f"{x} + {k_new}"
-        source = (f"def {f_bug}({x}):\n    return {old}\n\n\n"
-                  f"def {f_ok}({x}):\n    return {x} + {k_ok}\n")
-        a = rng.randint(10, 99)
-        tests = (f"from {module} import {f_bug}, {f_ok}\n\n\n"
-                 f"def test_{f_bug}():\n    assert {f_bug}({a}) == {a + k_new}\n\n\n"
-                 f"def test_{f_ok}():\n    assert {f_ok}({a}) == {a + k_ok}\n")
-        func = f_bug
+    elif kind == "flip":
+        func, other = rng.sample(_FUNCS, 2)
+        want, wrong = rng.choice((("+", "-"), ("-", "+")))
+        words = {"+": "add", "-": "subtract"}
+        funcs = [f"def {func}(a, b):\n    return a {wrong} b\n", f"def {other}(a, b):\n    return a * b\n"]
+        rng.shuffle(funcs)
+        source = "\n\n".join(funcs)
+        fixed = source.replace(f"a {wrong} b", f"a {want} b")
+        command = f"sed -i 's/a {wrong} b/a {want} b/' {module}.py"
+        statement = rng.choice((f"`{func}` in {module}.py should {words[want]}, not {words[wrong]}.",
+                                f"In {module}.py, `{func}` must {words[want]} its arguments."))
+        a, b = rng.randint(10, 99), rng.randint(2, 9)
+        tests = (f"from {module} import {func}, {other}\n\n\n"
+                 f"def test_{func}():\n    assert {func}({a}, {b}) == {a + b if want == '+' else a - b}\n\n\n"
+                 f"def test_{other}():\n    assert {other}({a}, {b}) == {a * b}\n")
     else:
         raise LegorlError(f"unknown demo task kind {kind!r} (known: {', '.join(KINDS)})")
-    assert source.count(old) == 1, (source, old)
-    return DemoTask(f"demo__{kind}-{index:04d}", kind, module, source, old, new, tests,
-                    _statement(rng, func, module, old, new))
+    assert fixed != source
+    return DemoTask(f"demo__{kind}-{index:04d}", kind, module, source, fixed, command, tests, statement)
 
 
 def generate(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[DemoTask]:
