@@ -54,13 +54,7 @@ def proxy(tiny_model: Path) -> Iterator[RecordingProxy]:
     asyncio.run(engine.close())
 
 
-# Claude Code >= 2.1.250 sends `role: "system"` entries inside `messages` (an environment block);
-# the proxy's Anthropic parser still answers those with a 400 (legorl/proxy/anthropic_api.py).
-_CLAUDE_BLOCKED = pytest.mark.xfail(strict=True, reason="proxy rejects messages[].role == 'system'")
-
-
-@pytest.mark.parametrize("name", [n if n != "claude-code" else pytest.param(n, marks=_CLAUDE_BLOCKED)
-                                  for n in RECIPES])
+@pytest.mark.parametrize("name", list(RECIPES))
 def test_harness_trial_against_the_tiny_model(name: str, proxy: RecordingProxy, base_image: str,
                                               tmp_path: Path) -> None:
     run = tmp_path / "run"

@@ -282,3 +282,21 @@ def test_turn_ended_by_another_stop_token_is_closed_by_the_template(renderer: Ch
     plan2 = s.plan([*msgs, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}], None)
     assert plan2.segment == 0
     assert renderer.decode(plan2.new_ids).startswith("<|im_end|>\n<|im_start|>user\nx")
+
+
+def test_anthropic_system_entries_inside_messages_are_kept_in_order() -> None:
+    # Claude Code >= 2.1.250 sends an environment block as a `system` entry mid-conversation.
+    from legorl.proxy.anthropic_api import parse_request
+    from legorl.proxy.validate import BadRequest
+
+    body = {"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "top"}], "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "env: /testbed"}]},
+        {"role": "user", "content": "go"},
+    ]}
+    req, _ = parse_request(body, "m")
+    assert [(m["role"], m["content"]) for m in req.messages] == [
+        ("system", "top"), ("user", "hi"), ("system", "env: /testbed"), ("user", "go")]
+    body["messages"][1]["role"] = "robot"
+    with pytest.raises(BadRequest, match=r"messages\[1\]\.role"):
+        parse_request(body, "m")

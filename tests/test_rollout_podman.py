@@ -205,7 +205,6 @@ def test_external_proxy_url(tiny_model: Path, base_image: str, tmp_path: Path) -
     assert shards.read_rows(run / "rollouts", Kind.ROLLOUTS)[0].segments == row.segments
 
 
-@pytest.mark.xfail(strict=True, reason="proxy rejects messages[].role == 'system' (Claude Code >= 2.1.250)")
 def test_claude_code_scripted_fix_grades_to_one(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
     run = tmp_path / "run"
     task = import_one(run, tmp_path)

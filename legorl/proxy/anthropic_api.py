@@ -177,8 +177,10 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, Anthropic
             messages.extend(_user_turn(m.get("content"), f"{w}.content"))
         elif role == "assistant":
             messages.append(_assistant_turn(m.get("content"), f"{w}.content"))
+        elif role == "system":  # Claude Code >= 2.1.250 sends environment blocks mid-conversation
+            messages.append({"role": "system", "content": _text_of(m.get("content"), f"{w}.content")})
         else:
-            raise BadRequest(f"{w}.role: must be 'user' or 'assistant'", f"{w}.role")
+            raise BadRequest(f"{w}.role: must be 'user', 'assistant' or 'system'", f"{w}.role")
     tools = canonical_tools(body.get("tools"))
     choice = body.get("tool_choice")
     parse_tools = True
