@@ -117,7 +117,7 @@ def _rollout(settings: Any, eval_root: Path, model: Path | None, proxy: str | No
 
         with console.status(f"loading {model} …"):
             engine = EmbeddedEngine(model)
-        handle = stage.InProcessProxy(engine, str(model))
+        handle = stage.InProcessProxy(engine, str(model), temperature=settings.effective_temperature)
     outcomes: dict[str, int] = {}
     progress = Progress(TextColumn("eval rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[status]}"), console=console, transient=quiet)

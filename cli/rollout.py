@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         timeout: Annotated[float, typer.Option(help="Hard wall-clock limit of one harness run, seconds.")] = 1800.0,
         max_turns: Annotated[int, typer.Option("--max-turns", help="Model calls per trial.")] = 30,
         max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Cap on one call's sampled tokens.")] = None,
-        temperature: Annotated[float, typer.Option(help="Sampling temperature the harnesses are given.")] = 1.0,
+        temperature: Annotated[float, typer.Option(help="Policy sampling temperature: the in-process proxy samples every call at it, whatever the harness asks.")] = 1.0,
         retries: Annotated[int, typer.Option(help="Extra attempts after an infrastructure error.")] = 2,
         api_key: Annotated[str | None, typer.Option("--api-key", help="API key of the --proxy.")] = None,
         json_out: JsonOption = False,
@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
 
             with console.status(f"loading {model} …"):
                 embedded = EmbeddedEngine(model)
-            handle = stage.InProcessProxy(embedded, str(model))
+            handle = stage.InProcessProxy(embedded, str(model), temperature=temperature)
 
         progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             TextColumn("{task.fields[status]}"), console=console, transient=json_out)

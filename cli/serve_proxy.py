@@ -32,6 +32,9 @@ def register(app: typer.Typer) -> None:
         dtype: Annotated[str, typer.Option(help="Embedded engine dtype.")] = "float32",
         device: Annotated[str | None, typer.Option(help="Embedded engine device (default: cuda if present).")] = None,
         parser: Annotated[str | None, typer.Option(help="Tool-call parser (default: from the chat template).")] = None,
+        temperature: Annotated[float | None, typer.Option(
+            help="Sample every call at this temperature, whatever the harness asks (the trainer's).")] = None,
+        top_p: Annotated[float | None, typer.Option(help="Sample every call with this top-p.")] = None,
     ) -> None:
         """Serve OpenAI + Anthropic APIs per session at /sess/<id>/v1/..., capturing exact tokens.
 
@@ -41,6 +44,7 @@ def register(app: typer.Typer) -> None:
         from legorl.engines import make_engine
         from legorl.errors import LegorlError
         from legorl.proxy.budgets import Budgets
+        from legorl.proxy.core import SamplingOverride
         from legorl.proxy.server import ProxyServer, load_tokenizer
 
         if engine not in ("embedded", "vllm"):
@@ -57,7 +61,8 @@ def register(app: typer.Typer) -> None:
                 else:
                     eng = make_engine("vllm", base_url=upstream, served_model_dir=model)
             server = ProxyServer(eng, tokenizer, host=host, port=port, api_key=api_key, budgets=budgets,
-                                 run_dir=run, parser=parser).start()
+                                 run_dir=run, parser=parser,
+                                 sampling=SamplingOverride(temperature=temperature, top_p=top_p)).start()
         except LegorlError as exc:
             fail(str(exc))
         stop = threading.Event()

@@ -160,11 +160,14 @@ class WatchedEngine:
 class InProcessProxy:
     """A :class:`~legorl.proxy.server.ProxyServer` on a loopback port of this process."""
 
-    def __init__(self, engine: Engine, tokenizer: Any):
+    def __init__(self, engine: Engine, tokenizer: Any, temperature: float | None = None):
+        """``temperature``, when given, is what every call samples at, whatever the harness asks."""
+        from legorl.proxy.core import SamplingOverride
         from legorl.proxy.server import ProxyServer
 
         self.engine = WatchedEngine(engine)
-        self.server = ProxyServer(self.engine, tokenizer)
+        sampling = SamplingOverride(temperature=temperature) if temperature is not None else None
+        self.server = ProxyServer(self.engine, tokenizer, sampling=sampling)
         self.model = engine.name
         self.context_tokens: int | None = engine.max_context
 

@@ -328,7 +328,7 @@ def test_error_shapes_and_routes(proxy: ProxyServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(base + "/v1/messages", content=b"[1,", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(base + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]})
+    r = httpx.post(base + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]})
     assert r.status_code == 400 and "role" in r.json()["error"]["message"]
     with pytest.raises(anthropic.BadRequestError):
         an(proxy, sid).messages.create(model="m", max_tokens=5, messages=[])
@@ -404,3 +404,31 @@ def test_real_model_openai_and_anthropic(real_proxy: ProxyServer) -> None:
     assert "".join(parts) == cap.messages[-1]["content"]
     with an(real_proxy, sid).messages.stream(model="m", max_tokens=6, messages=[{"role": "user", "content": "hi"}]) as s:
         assert s.get_final_message().usage.output_tokens == 6 or s.get_final_message().stop_reason == "end_turn"
+
+
+def test_sampling_override_wins_over_what_the_harness_asks(tokenizer: Any) -> None:
+    from legorl.engines.base import SamplingParams
+    from legorl.proxy.core import SamplingOverride
+
+    engine = scripted_engine(tokenizer)
+    seen: list[SamplingParams] = []
+    generate, stream = engine.generate, engine.stream
+
+    async def recording_generate(prompt_ids: list[int], params: SamplingParams) -> Any:
+        seen.append(params)
+        return await generate(prompt_ids, params)
+
+    def recording_stream(prompt_ids: list[int], params: SamplingParams) -> Any:
+        seen.append(params)
+        return stream(prompt_ids, params)
+
+    engine.generate, engine.stream = recording_generate, recording_stream  # type: ignore[method-assign]
+    override = SamplingOverride(temperature=1.0, top_p=1.0)
+    with ProxyServer(engine, tokenizer, sampling=override) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/sess/s1/v1", api_key="x")
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": say("hi")}],
+                                       temperature=0.2, top_p=0.5)
+        anth = anthropic.Anthropic(base_url=f"{server.base_url}/sess/s2", api_key="x")
+        anth.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": say("hi")}],
+                             extra_body={"temperature": 0.3})
+    assert [(p.temperature, p.top_p) for p in seen] == [(1.0, 1.0), (1.0, 1.0)]

@@ -70,6 +70,27 @@ class CallResult:
     budget_stop: str | None = None
 
 
+@dataclass(frozen=True)
+class SamplingOverride:
+    """Sampling the policy is run at, whatever the harness asks for (None keeps the request's value).
+
+    For RL the sampling distribution is the trainer's choice, not the harness's: the trainer
+    recomputes logprobs at one temperature, and some harnesses (Claude Code) cannot be given one.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def apply(self, req: ChatRequest) -> None:
+        if self.temperature is not None:
+            req.temperature = self.temperature
+        if self.top_p is not None:
+            req.top_p = self.top_p
+        if self.top_k is not None:
+            req.top_k = self.top_k
+
+
 class ContextOverflow(Exception):
     """The prompt does not fit the context and the session's budgets ask for an error reply."""
 
@@ -82,8 +103,10 @@ class ProxyCore:
         parser: ToolParser | None = None,
         default_budgets: Budgets | None = None,
         on_finish: Callable[[SessionCapture], None] | None = None,
+        sampling: SamplingOverride | None = None,
     ):
         self.engine = engine
+        self.sampling = sampling
         self.renderer = renderer
         self.parser = parser or detect_parser(renderer.chat_template)
         self.default_budgets = default_budgets or Budgets()
@@ -159,6 +182,8 @@ class ProxyCore:
                 if max_new < 1:
                     yield self._budget_stop(session, req, B.MAX_TOTAL_TOKENS, call, t0)
                     return
+            if self.sampling is not None:
+                self.sampling.apply(req)
             params = SamplingParams(
                 max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 stop_token_ids=self.renderer.stop_token_ids, seed=req.seed,

@@ -25,7 +25,7 @@ from legorl.engines.base import Engine
 from legorl.errors import LegorlError
 from legorl.proxy.app import ProxyApp
 from legorl.proxy.budgets import Budgets
-from legorl.proxy.core import ProxyCore
+from legorl.proxy.core import ProxyCore, SamplingOverride
 from legorl.proxy.render import ChatRenderer
 from legorl.proxy.sessions import SessionCapture
 from legorl.proxy.toolparse import ToolParser, get_parser
@@ -75,13 +75,14 @@ class ProxyServer:
         run_dir: str | Path | None = None,
         parser: str | ToolParser | None = None,
         auto_create: bool = True,
+        sampling: SamplingOverride | None = None,
     ):
         if isinstance(tokenizer, str | Path):
             tokenizer = load_tokenizer(tokenizer)
         self.renderer = ChatRenderer(tokenizer)
         tool_parser = get_parser(parser) if isinstance(parser, str) else parser
         self.sink = ShardSink(run_dir) if run_dir is not None else None
-        self.core = ProxyCore(engine, self.renderer, tool_parser, budgets, on_finish=self.sink)
+        self.core = ProxyCore(engine, self.renderer, tool_parser, budgets, on_finish=self.sink, sampling=sampling)
         self.app = ProxyApp(self.core, api_key=api_key, auto_create=auto_create)
         self.host = host
         self._port = port
