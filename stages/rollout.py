@@ -65,6 +65,7 @@ class Capture:
     calls: list[Call]
     messages: list[dict[str, Any]]
     budget_stop: str | None
+    engine_errors: list[str] = field(default_factory=list)
 
 
 class ProxyHandle(Protocol):
@@ -79,15 +80,13 @@ class ProxyHandle(Protocol):
 
     def finish(self, session_id: str) -> Capture: ...
 
-    def engine_errors(self, since: float, until: float) -> str | None: ...
-
 
 # --------------------------------------------------------------------------- the engine, watched
 
 
 class WatchedEngine:
-    """Delegates to an engine and keeps what the progress line and the outcomes need: calls in
-    flight, busy time, sampled tokens, and when the engine failed."""
+    """Delegates to an engine and keeps what the progress line needs: calls in flight, busy time,
+    sampled tokens, failures. (Which trial an engine failure hit is recorded by the proxy session.)"""
 
     def __init__(self, engine: Engine):
         self.inner = engine
@@ -186,11 +185,7 @@ class InProcessProxy:
         cap = self.server.finish(session_id)
         if cap is None:
             return Capture([], [], [], None)
-        return Capture(cap.segments, cap.calls, cap.messages, cap.budget_stop)
-
-    def engine_errors(self, since: float, until: float) -> str | None:
-        hits = [msg for t, msg in list(self.engine.failures) if since <= t <= until]
-        return hits[-1] if hits else None
+        return Capture(cap.segments, cap.calls, cap.messages, cap.budget_stop, cap.engine_errors)
 
 
 class RemoteProxy:
@@ -225,10 +220,7 @@ class RemoteProxy:
         data = self.client.post(f"/sess/{session_id}/finish").raise_for_status().json()
         return Capture([Segment.from_dict(s) for s in data.get("segments") or []],
                        [Call.from_dict(c) for c in data.get("calls") or []],
-                       data.get("messages") or [], data.get("budget_stop"))
-
-    def engine_errors(self, since: float, until: float) -> str | None:
-        return None  # a remote engine's failures reach us as the harness's API errors
+                       data.get("messages") or [], data.get("budget_stop"), list(data.get("engine_errors") or []))
 
 
 # --------------------------------------------------------------------------- one trial
@@ -321,7 +313,6 @@ class TrialRunner:
         box = None
         session: str | None = None
         t0 = time.monotonic()
-        agent_window = (time.time(), time.time())
         try:
             box = self.create(self.sandbox_spec(job, key, harness, trial_dir))
             self.prepare(box, job.task)
@@ -334,9 +325,7 @@ class TrialRunner:
                 openai_base_url=openai_url, anthropic_base_url=anthropic_url, max_turns=cfg.max_turns,
                 timeout_s=cfg.timeout_s, temperature=cfg.temperature, context_tokens=self.proxy.context_tokens,
             )
-            agent_start = time.time()
             run = harness.run(spec, box, trial_dir)
-            agent_window = (agent_start, time.time())
             timings.agent_s = run.duration_s
             t1 = time.monotonic()
             alive = box.alive()
@@ -346,7 +335,7 @@ class TrialRunner:
             session = None
             view = ProxyView(calls=sum(1 for c in capture.calls if not c.budget_stop),
                              budget_stop=capture.budget_stop,
-                             engine_error=self.proxy.engine_errors(*agent_window))
+                             engine_error=capture.engine_errors[-1] if capture.engine_errors else None)
             outcome, error = classify(run, view, alive, patch)
             if capture.budget_stop == _BUDGET_TIMEOUT and outcome is Outcome.BUDGET:
                 outcome = Outcome.TIMEOUT

@@ -432,3 +432,22 @@ def test_sampling_override_wins_over_what_the_harness_asks(tokenizer: Any) -> No
         anth.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": say("hi")}],
                              extra_body={"temperature": 0.3})
     assert [(p.temperature, p.top_p) for p in seen] == [(1.0, 1.0), (1.0, 1.0)]
+
+
+def test_engine_failure_is_recorded_on_its_own_session(tokenizer: Any) -> None:
+    from legorl.engines.scripted import ScriptedCall, ScriptedEngine
+
+    def reply(call: ScriptedCall) -> str:
+        if "explode" in call.prompt_text:
+            raise RuntimeError("the engine is down")
+        return "fine"
+
+    with ProxyServer(ScriptedEngine(tokenizer, reply), tokenizer) as server:
+        bad = openai.OpenAI(base_url=f"{server.base_url}/sess/bad/v1", api_key="x", max_retries=0)
+        good = openai.OpenAI(base_url=f"{server.base_url}/sess/good/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError):
+            bad.chat.completions.create(model="m", messages=[{"role": "user", "content": "explode"}])
+        good.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}])
+        assert httpx.get(f"{server.base_url}/sess/bad/trajectory").json()["engine_errors"] == [
+            "RuntimeError: the engine is down"]
+        assert httpx.get(f"{server.base_url}/sess/good/trajectory").json()["engine_errors"] == []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import shlex
 import tarfile
 import threading
@@ -304,11 +305,20 @@ class Grader:
         if cached is not None:
             return cached
         repo, _commit = prepare_repo(task.repo_source or "", ref)
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            tar.add(repo, arcname="testbed", filter=lambda info: None if info.name.endswith(
-                "/.git/legorl-testbed") else info)
-        data = buf.getvalue()
+        # the tar is kept next to the (immutable) testbed, so a new grading process reads it
+        # instead of walking the tree again
+        path = repo.with_name(repo.name + ".grade-v1.tar")
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                tar.add(repo, arcname="testbed", filter=lambda info: None if info.name.endswith(
+                    "/.git/legorl-testbed") else info)
+            data = buf.getvalue()
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
         with self._tar_lock:
             self._tars[key] = data
             while len(self._tars) > 64:

@@ -236,6 +236,9 @@ class ProxyCore:
                     raise ContextOverflow("the prompt does not fit the engine's context") from None
                 yield self._budget_stop(session, req, B.CONTEXT_OVERFLOW, call, t0)
                 return
+            except Exception as exc:  # the engine failed: an infrastructure error of this session
+                session.engine_errors.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+                raise
             result = self._finish(session, req, plan, gen, text, call, t0)
             yield result
 

@@ -144,6 +144,7 @@ class SessionCapture:
     created_at: float
     model: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    engine_errors: list[str] = field(default_factory=list)  # calls the engine failed (answered 500)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -151,6 +152,7 @@ class SessionCapture:
             "model": self.model,
             "created_at": self.created_at,
             "budget_stop": self.budget_stop,
+            "engine_errors": self.engine_errors,
             "metadata": self.metadata,
             "segments": [s.to_dict() for s in self.segments],
             "calls": [c.to_dict() for c in self.calls],
@@ -205,6 +207,7 @@ class Session:
         self.calls: list[Call] = []
         self.turns = 0
         self.budget_stop: str | None = None
+        self.engine_errors: list[str] = []
         self.final_messages: list[Message] = []
 
     # ------------------------------------------------------------------ placing a request
@@ -348,4 +351,5 @@ class Session:
                 created_at=self.created_at,
                 model=self.model,
                 metadata=dict(self.metadata),
+                engine_errors=list(self.engine_errors),
             )
