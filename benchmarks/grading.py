@@ -222,7 +222,10 @@ def main() -> None:
               f"{sum(verdicts[name].values()):>5}/{n}")
     ratio_med = statistics.median(walls["swebench"]) / statistics.median(walls["legorl"])
     ratio_min = min(walls["swebench"]) / min(walls["legorl"])
-    print(f"ratio (legorl throughput / swebench throughput): {ratio_med:.2f}x median, {ratio_min:.2f}x best")
+    # each repeat runs the two back to back, so a repeat's own ratio is the least load-sensitive
+    paired = sorted(s / legorl for s, legorl in zip(walls["swebench"], walls["legorl"], strict=True))
+    print(f"ratio (legorl throughput / swebench throughput): {ratio_med:.2f}x median, {ratio_min:.2f}x best; "
+          f"per repeat {', '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f}x)")
     if verdicts["swebench"] != verdicts["legorl"]:
         print(f"verdicts differ: swebench {verdicts['swebench']} legorl {verdicts['legorl']}", file=sys.stderr)
         sys.exit(1)

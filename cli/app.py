@@ -12,6 +12,7 @@ from legorl.cli import (
     grade,
     harness,
     inspect_cmd,
+    loop,
     model,
     rollout,
     serve_proxy,
@@ -30,7 +31,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for module in (setup_cmd, tasks, model, harness, serve_proxy, rollout, grade, train, eval_cmd, inspect_cmd, dashboard):
+for module in (
+    setup_cmd, tasks, model, harness, serve_proxy, rollout, grade, train, loop, eval_cmd, inspect_cmd, dashboard,
+):
     module.register(app)
 
 

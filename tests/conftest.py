@@ -39,3 +39,17 @@ def tiny_model() -> Path:
 def tiny_moe_model() -> Path:
     """A tiny Qwen3-MoE model (8 experts, top-2) with the same tokenizer."""
     return _model("moe", moe=True)
+
+
+@pytest.fixture(scope="session")
+def base_image() -> str:
+    """The sandbox base image built by `legorl setup`; missing, it skips locally and fails in CI."""
+    from legorl.sandbox.host import base_image, image_exists
+
+    name = base_image()
+    if not image_exists(name):
+        message = f"base image {name} missing: run `legorl setup`"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return name

@@ -30,16 +30,6 @@ FIXED = "webcolors__compare-1fec7a64"  # the scripted policy applies the gold pa
 BOTCHED = "semver__boolop-06aa655f"  # the scripted policy appends a comment to a source file
 
 
-@pytest.fixture(scope="module")
-def base_image() -> str:
-    from legorl.sandbox.host import base_image, image_exists
-
-    name = base_image()
-    if not image_exists(name):
-        pytest.skip(f"base image {name} missing: run `legorl setup`")
-    return name
-
-
 def _import(run: Path, ids: list[str]) -> dict[str, TaskRow]:
     from legorl.tasks.importer import import_tasks
 

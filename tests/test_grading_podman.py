@@ -31,16 +31,6 @@ LEGORL = str(Path(sys.executable).parent / "legorl")
 
 
 @pytest.fixture(scope="module")
-def base_image() -> str:
-    from legorl.sandbox.host import base_image, image_exists
-
-    name = base_image()
-    if not image_exists(name):
-        pytest.skip(f"base image {name} missing: run `legorl setup`")
-    return name
-
-
-@pytest.fixture(scope="module")
 def shipped() -> dict[str, TaskRow]:
     """The shipped tasks, repo_source made absolute (as the importer stores it)."""
     rows = pq.read_table(SHIPPED).to_pylist()

@@ -37,16 +37,6 @@ class RecordingProxy(InProcessProxy):
 
 
 @pytest.fixture(scope="module")
-def base_image() -> str:
-    from legorl.sandbox.host import base_image, image_exists
-
-    name = base_image()
-    if not image_exists(name):
-        pytest.skip(f"base image {name} missing: run `legorl setup`")
-    return name
-
-
-@pytest.fixture(scope="module")
 def proxy(tiny_model: Path) -> Iterator[RecordingProxy]:
     engine = EmbeddedEngine(tiny_model, max_batch=4)
     with RecordingProxy(engine, str(tiny_model)) as handle:

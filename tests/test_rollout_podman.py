@@ -26,16 +26,6 @@ pytestmark = [pytest.mark.podman, pytest.mark.harness]
 LEGORL = str(Path(sys.executable).parent / "legorl")
 
 
-@pytest.fixture(scope="module")
-def base_image() -> str:
-    from legorl.sandbox.host import base_image, image_exists
-
-    name = base_image()
-    if not image_exists(name):
-        pytest.skip(f"base image {name} missing: run `legorl setup`")
-    return name
-
-
 def _rollout(tiny_model: Path, run: Path, complete: Callable[[object], str], **kw: object) -> list[TrialRow]:
     engine = ScriptedEngine(str(tiny_model), complete, max_context=32768)
     opts: dict[str, object] = {"timeout_s": 180.0, "max_turns": 4, "retries": 1, "backoff_s": 0.1} | kw

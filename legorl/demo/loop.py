@@ -39,11 +39,12 @@ class DemoConfig:
     run: Path
     seed: int = 0
     steps: int = 10
-    tasks: int = 8  # tasks rolled out every step
+    tasks: int = 6  # tasks rolled out every step
     samples: int = 4  # attempts per task per step (the GRPO group size)
-    warmup_steps: int = 60  # format warm-up (SFT) steps; decides the starting solve rate
+    warmup_steps: int = 150  # format warm-up (SFT) steps
     warmup_tasks: int = 2000
-    warmup_lr: float = 2e-3
+    warmup_lr: float = 3e-3
+    warmup_wrong: float = 0.75  # share of warm-up demonstrations that reverse the edit (the starting solve rate)
     lr: float = 2e-4
     num_iterations: int = 1
     loss: str = "grpo"
@@ -72,29 +73,6 @@ class StepRecord:
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def register_simple_harness() -> None:
-    """Make ``--harness simple`` known to the rollout stage.
-
-    Needed until ``legorl.harnesses.HARNESSES`` lists :class:`SimpleHarness` and the rollout stage
-    skips the install step for harnesses that need none (the change proposed with this demo); a
-    no-op afterwards."""
-    from legorl import harnesses
-    from legorl.harnesses.simple import SimpleHarness
-
-    harnesses.HARNESSES.setdefault(SimpleHarness.name, SimpleHarness)
-    import legorl.stages.rollout as rollout_stage_module
-
-    original = rollout_stage_module.require
-    if getattr(original, "_demo_wrapped", False):
-        return
-
-    def require(name: str) -> Any:  # the in-process driver has nothing to install
-        return None if name == SimpleHarness.name else original(name)
-
-    require._demo_wrapped = True  # type: ignore[attr-defined]
-    rollout_stage_module.require = require
 
 
 def prepare_tasks(cfg: DemoConfig) -> None:
@@ -127,7 +105,7 @@ def prepare_model(cfg: DemoConfig) -> tuple[Path, dict[str, Any]]:
     shutil.rmtree(tmp, ignore_errors=True)
     init_model(tmp, size=cfg.model_size, seed=cfg.seed)
     stats = train_format(tmp, generate(cfg.warmup_tasks, 10_000 + cfg.seed), steps=cfg.warmup_steps,
-                         lr=cfg.warmup_lr, seed=cfg.seed)
+                         lr=cfg.warmup_lr, wrong_fraction=cfg.warmup_wrong, seed=cfg.seed)
     tmp.rename(out)
     log(f"model: built and warmed up in {time.perf_counter() - t0:.0f} s (format loss {stats['last_loss']:.3f})")
     return out, json.loads(info_path.read_text())
@@ -155,7 +133,6 @@ def run_loop(cfg: DemoConfig) -> list[StepRecord]:
     from legorl.training.config import TrainConfig
 
     torch.set_num_threads(cfg.threads)
-    register_simple_harness()
     cfg.run.mkdir(parents=True, exist_ok=True)
     run = RunDir.at(cfg.run)
     prepare_tasks(cfg)

@@ -9,9 +9,9 @@ at rollout time:
     tool: exit code 0
     assistant: DONE
 
-The loss is on the assistant turns only. A few hundred steps teach the format and, imperfectly,
-the copying of file name and code out of the statement; how many steps decides the solve rate
-the RL loop starts from (see ``examples/cpu-demo/README.md``).
+The loss is on the assistant turns only. A share of the demonstrations is deliberately wrong
+(``wrong_fraction``), which sets the solve rate the RL loop starts from (see
+``examples/cpu-demo/README.md``).
 """
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ def render(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
     return Example(list(ids), mask)
 
 
-def examples(tokenizer: Any, tasks: Sequence[DemoTask]) -> list[Example]:
-    return [render(tokenizer, conversation(t)) for t in tasks]
+def examples(tokenizer: Any, tasks: Sequence[DemoTask], wrong_fraction: float = 0.0, seed: int = 0) -> list[Example]:
+    """One example per task; a ``wrong_fraction`` of them demonstrate the edit in the wrong direction."""
+    rng = random.Random(seed)
+    return [render(tokenizer, conversation(t, t.reversed_command if rng.random() < wrong_fraction else None))
+            for t in tasks]
 
 
 def train_format(
@@ -84,10 +87,15 @@ def train_format(
     steps: int = 150,
     batch_size: int = 16,
     lr: float = 2e-3,
+    wrong_fraction: float = 0.0,
     seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
 ) -> dict[str, float]:
     """Supervised training on the driver's conversation for ``tasks``; saves the model in place.
+
+    ``wrong_fraction`` of the demonstrations reverse the edit (an imperfect demonstrator): the model
+    learns the format and the lookup from words to operators, but also to pick the wrong direction
+    that often — only the hidden tests' rewards say which direction is right.
 
     Returns ``{"first_loss", "last_loss", "seconds", "steps", "examples"}``.
     """
@@ -102,7 +110,7 @@ def train_format(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    data = examples(tokenizer, tasks)
+    data = examples(tokenizer, tasks, wrong_fraction, seed)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pad = int(tokenizer.pad_token_id)
@@ -129,7 +137,7 @@ def train_format(
     info_path = model_dir / "legorl_model.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     info["demo_sft"] = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "examples": len(data),
-                        "last_loss": last}
+                        "wrong_fraction": wrong_fraction, "last_loss": last}
     info_path.write_text(json.dumps(info))
     return {"first_loss": first, "last_loss": last, "seconds": seconds, "steps": steps, "examples": len(data)}
 

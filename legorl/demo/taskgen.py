@@ -1,22 +1,20 @@
 """A family of tiny repair tasks, generated deterministically from a seed, in SWE-bench's schema.
 
-Each task is a one-file repository (``<module>.py``) holding one small bug and one correct
+Each task is a one-file repository holding one function with the wrong operator and one correct
 neighbour; the fix is one ``sed`` substitution. The hidden tests (``test_patch``) check the fixed
-value (FAIL_TO_PASS) and the neighbour (PASS_TO_PASS), so a substitution that also hits the
-neighbour, or breaks the file, fails. Two kinds, each with two phrasings of the statement:
+function (FAIL_TO_PASS) and the neighbour (PASS_TO_PASS), so a substitution that hits the
+neighbour, or breaks the file, fails. Two kinds, two phrasings of the statement each:
 
-- ``set``: "Set `DEPTH` to 7 in limits.py." — the model must copy the name, the value and the
-  file name out of the statement (``sed -i 's/DEPTH = .*/DEPTH = 7/' limits.py``);
-- ``flip``: "`merge` in config.py should add, not subtract." — it must turn the words into the
-  operators and copy the file name (``sed -i 's/a - b/a + b/' config.py``).
+- ``flip`` (``calc.py``): "`merge` in calc.py should add, not subtract."
+  → ``sed -i 's/a - b/a + b/' calc.py``;
+- ``compare`` (``checks.py``): "`fold` in checks.py should check that a is less than b."
+  → ``sed -i 's/a > b/a < b/' checks.py``.
 
-The pools (6 files, 8 names, values 2–9, 6 functions) are small on purpose: a ~5 M-parameter
-model learns the format in a few dozen supervised steps but the copying only partly, so it
-starts with some successes and has something left to learn from rewards.
-
-All repositories go into one git bundle (one parentless commit per task, written with
-``git fast-import``); ``repo_source`` names the bundle and ``base_commit`` the task's commit, so
-``legorl tasks import`` and the testbed code take it as any other task set.
+What varies: the function and its neighbour (names, order), the direction of the bug, the
+phrasing, the test values. The same edit in the wrong direction (``reversed_command``) matches
+nothing and changes nothing: reward 0. The family is small on purpose — what a ~5 M-parameter
+model can read out of a statement after a short warm-up is a word-to-operator lookup, not
+arbitrary copying (measured: names and numbers copied at chance after 200 warm-up steps).
 """
 
 from __future__ import annotations
@@ -30,10 +28,10 @@ from pathlib import Path
 
 from legorl.errors import LegorlError
 
-KINDS = ("set", "flip")
-_FILES = ("config", "settings", "limits", "params", "defaults", "options")
-_NAMES = ("LIMIT", "SIZE", "DEPTH", "WIDTH", "COUNT", "RETRIES", "TIMEOUT", "LEVEL")
-_FUNCS = ("total", "combine", "merge", "join", "mix", "blend")
+KINDS = ("flip", "compare")
+_MODULES = {"flip": "calc", "compare": "checks"}
+_FUNCS = ("total", "combine", "merge", "join", "mix", "blend", "pair", "fold")
+_WORDS = {"+": "add", "-": "subtract", "<": "less than", ">": "greater than"}
 _DATE = "946684800 +0000"  # 2000-01-01: commit ids depend only on the seed
 
 
@@ -46,7 +44,8 @@ class DemoTask:
     module: str  # file name without .py
     source: str  # the buggy file
     fixed_source: str
-    fix_command: str  # the canonical fix as the driver's bash command (what the warm-up teaches)
+    wrong: str  # the operator the bug put there
+    right: str  # the operator the tests want
     tests: str  # the hidden test file
     statement: str
 
@@ -58,41 +57,50 @@ class DemoTask:
     def test_filename(self) -> str:
         return f"test_{self.module}.py"
 
+    @property
+    def fix_command(self) -> str:
+        """The fix as the driver's bash command (what the warm-up demonstrates)."""
+        return f"sed -i 's/a {self.wrong} b/a {self.right} b/' {self.filename}"
+
+    @property
+    def reversed_command(self) -> str:
+        """The same edit in the wrong direction: matches nothing, changes nothing."""
+        return f"sed -i 's/a {self.right} b/a {self.wrong} b/' {self.filename}"
+
 
 def make_task(rng: random.Random, index: int, kind: str) -> DemoTask:
-    module = rng.choice(_FILES)
-    if kind == "set":
-        name, other = rng.sample(_NAMES, 2)
-        old_v, new_v, other_v = rng.sample(range(2, 10), 3)
-        lines = [f"{name} = {old_v}", f"{other} = {other_v}"]
-        rng.shuffle(lines)
-        source = "\n".join(lines) + "\n"
-        fixed = source.replace(f"{name} = {old_v}", f"{name} = {new_v}")
-        command = f"sed -i 's/{name} = .*/{name} = {new_v}/' {module}.py"
-        statement = rng.choice((f"Set `{name}` to {new_v} in {module}.py.",
-                                f"In {module}.py, `{name}` should be {new_v}."))
-        tests = (f"from {module} import {name}, {other}\n\n\n"
-                 f"def test_{name.lower()}():\n    assert {name} == {new_v}\n\n\n"
-                 f"def test_{other.lower()}():\n    assert {other} == {other_v}\n")
-    elif kind == "flip":
-        func, other = rng.sample(_FUNCS, 2)
-        want, wrong = rng.choice((("+", "-"), ("-", "+")))
-        words = {"+": "add", "-": "subtract"}
-        funcs = [f"def {func}(a, b):\n    return a {wrong} b\n", f"def {other}(a, b):\n    return a * b\n"]
-        rng.shuffle(funcs)
-        source = "\n\n".join(funcs)
-        fixed = source.replace(f"a {wrong} b", f"a {want} b")
-        command = f"sed -i 's/a {wrong} b/a {want} b/' {module}.py"
-        statement = rng.choice((f"`{func}` in {module}.py should {words[want]}, not {words[wrong]}.",
-                                f"In {module}.py, `{func}` must {words[want]} its arguments."))
-        a, b = rng.randint(10, 99), rng.randint(2, 9)
-        tests = (f"from {module} import {func}, {other}\n\n\n"
-                 f"def test_{func}():\n    assert {func}({a}, {b}) == {a + b if want == '+' else a - b}\n\n\n"
-                 f"def test_{other}():\n    assert {other}({a}, {b}) == {a * b}\n")
-    else:
+    if kind not in KINDS:
         raise LegorlError(f"unknown demo task kind {kind!r} (known: {', '.join(KINDS)})")
-    assert fixed != source
-    return DemoTask(f"demo__{kind}-{index:04d}", kind, module, source, fixed, command, tests, statement)
+    module = _MODULES[kind]
+    func, other = rng.sample(_FUNCS, 2)
+    ops = ("+", "-") if kind == "flip" else ("<", ">")
+    right, wrong = rng.sample(ops, 2)
+    neighbour = "a * b" if kind == "flip" else "a == b"
+    funcs = [f"def {func}(a, b):\n    return a {wrong} b\n", f"def {other}(a, b):\n    return {neighbour}\n"]
+    rng.shuffle(funcs)
+    source = "\n\n".join(funcs)
+    fixed = source.replace(f"a {wrong} b", f"a {right} b")
+    if kind == "flip":
+        statement = rng.choice((f"`{func}` in {module}.py should {_WORDS[right]}, not {_WORDS[wrong]}.",
+                                f"In {module}.py, `{func}` must {_WORDS[right]} its arguments."))
+        a, b = rng.randint(10, 99), rng.randint(2, 9)
+        cases = [(a, b)]
+    else:
+        statement = rng.choice((f"`{func}` in {module}.py should check that a is {_WORDS[right]} b.",
+                                f"In {module}.py, `{func}` must return whether a is {_WORDS[right]} b."))
+        a, b = rng.randint(2, 49), rng.randint(50, 99)
+        cases = [(a, b), (b, a)]
+
+    def value(op: str, x: int, y: int) -> object:
+        return {"+": x + y, "-": x - y, "*": x * y, "<": x < y, ">": x > y, "==": x == y}[op]
+
+    n_op = neighbour.split()[1]
+    tests = (f"from {module} import {func}, {other}\n\n\n"
+             f"def test_{func}():\n"
+             + "".join(f"    assert {func}({x}, {y}) == {value(right, x, y)}\n" for x, y in cases)
+             + f"\n\ndef test_{other}():\n"
+             + "".join(f"    assert {other}({x}, {y}) == {value(n_op, x, y)}\n" for x, y in cases))
+    return DemoTask(f"demo__{kind}-{index:04d}", kind, module, source, fixed, wrong, right, tests, statement)
 
 
 def generate(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[DemoTask]:

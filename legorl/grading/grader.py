@@ -26,6 +26,7 @@ import base64
 import io
 import os
 import shlex
+import subprocess
 import tarfile
 import threading
 import time
@@ -69,6 +70,7 @@ INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeou
 # stdin holds two tars back to back (the testbed, then the script): -i reads past the first's end
 _UNPACK = (f"rm -rf /testbed && mkdir -p /testbed && tar -x -i --no-same-owner -C / -f - "
            f"&& exec bash {WORK}-script.sh")
+_UNPACK_FRESH = _UNPACK.replace(f"{WORK}-script.sh", f"{WORK}/script.sh")
 
 
 class GradingInfraError(LegorlError):
@@ -107,9 +109,15 @@ def _b64_file(path: str, text: str) -> str:
     return f"base64 -d > {shlex.quote(path)} <<'LEGORL_EOF'\n{data}\nLEGORL_EOF\n"
 
 
-def apply_script(patch: str) -> str:
-    """Shell: apply ``patch`` to /testbed by the first method that works, else print the failure marker."""
-    lines = ["cd /testbed", f"mkdir -p {WORK}", _b64_file(f"{WORK}/patch.diff", patch), "applied="]
+def apply_script(patch: str, inline: bool = True) -> str:
+    """Shell: apply ``patch`` to /testbed by the first method that works, else print the failure marker.
+
+    ``inline=False``: the patch is not embedded; the caller has put it at ``WORK/patch.diff``.
+    """
+    lines = ["cd /testbed"]
+    if inline:
+        lines += [f"mkdir -p {WORK}", _b64_file(f"{WORK}/patch.diff", patch)]
+    lines.append("applied=")
     for name, cmd in APPLY_METHODS:
         lines += [
             'if [ -z "$applied" ]; then',
@@ -121,22 +129,38 @@ def apply_script(patch: str) -> str:
     lines += [
         f'if [ -z "$applied" ]; then echo "{APPLY_FAILED}"; exit 3; fi',
         f'echo "{APPLIED} ($applied)"',
-        f"find . -name '*.rej' -newer {WORK}/patch.diff -not -path './.git/*' -delete 2>/dev/null",
+        # only the fallbacks leave reject files behind (a clean `git apply` writes none)
+        'case "$applied" in "git apply"|"git apply --3way") ;; *) '
+        f"find . -name '*.rej' -newer {WORK}/patch.diff -not -path './.git/*' -delete 2>/dev/null;; esac",
     ]
     return "\n".join(lines) + "\n"
 
 
-def eval_script_for(task: TaskRow, hidden: list[str], command: str, timeout: float) -> str:
-    """Shell: put the hidden tests in place (reset, then apply test_patch) and run the tests."""
-    lines = ["cd /testbed", f"mkdir -p {WORK}"]
-    for path in hidden:
-        q = shlex.quote(path)
-        lines.append(f"if git cat-file -e HEAD:{q} 2>/dev/null; then git checkout -q HEAD -- {q}; else rm -rf -- {q}; fi")
+def eval_script_for(task: TaskRow, hidden: list[str], command: str, timeout: float,
+                    in_head: set[str] | None = None, inline: bool = True) -> str:
+    """Shell: put the hidden tests in place (reset, then apply test_patch) and run the tests.
+
+    ``in_head``: which of ``hidden`` the testbed's commit holds, when the caller knows (one
+    ``git checkout`` for all of them instead of a check and a checkout per path);
+    ``inline=False``: the caller has put test_patch at ``WORK/test.diff``.
+    """
+    lines = ["cd /testbed"]
+    if in_head is None:
+        lines.append(f"mkdir -p {WORK}")
+        for path in hidden:
+            q = shlex.quote(path)
+            lines.append(f"if git cat-file -e HEAD:{q} 2>/dev/null; then git checkout -q HEAD -- {q}; "
+                         f"else rm -rf -- {q}; fi")
+    elif hidden:
+        # rm first, so whatever the patch left at a path (a directory, a link) goes; then HEAD's version
+        lines.append(f"rm -rf -- {' '.join(shlex.quote(p) for p in hidden)}")
+        kept = [p for p in hidden if p in in_head]
+        if kept:
+            lines.append(f"git checkout -q HEAD -- {' '.join(shlex.quote(p) for p in kept)}")
     if (task.test_patch or "").strip():
-        lines += [
-            _b64_file(f"{WORK}/test.diff", task.test_patch or ""),
-            f'git apply -v {WORK}/test.diff 2>&1 || {{ echo "{TEST_PATCH_FAILED}"; exit 4; }}',
-        ]
+        if inline:
+            lines.append(_b64_file(f"{WORK}/test.diff", task.test_patch or ""))
+        lines.append(f'git apply -v {WORK}/test.diff 2>&1 || {{ echo "{TEST_PATCH_FAILED}"; exit 4; }}')
     lines += [
         f"rm -rf {WORK}",
         f"echo '{START_MARKER}'",
@@ -173,6 +197,7 @@ class Grader:
         # is used for it; any other ``create`` gets the create / exec / remove path.
         self._run_once: Callable[..., ExecResult] | None = getattr(getattr(create, "__self__", None), "run_once", None)
         self._tars: dict[tuple[str, str], bytes] = {}
+        self._heads: dict[tuple[str, str], frozenset[str]] = {}
         self._tar_lock = threading.Lock()
 
     def image_for(self, task: TaskRow) -> str:
@@ -231,13 +256,16 @@ class Grader:
             deadline_s=self.options.test_timeout + 2 * INFRA_SLACK_S,
         )
         configs = shared_configs(filtered.kept)
-        script = apply_script(filtered.patch) if filtered.patch.strip() else "cd /testbed\n"
         if not configs and task.repo_source and self._run_once is not None:
-            # The fast path: one `podman run --rm -i` creates, runs and removes the container.
-            script += eval_script_for(task, hidden, command, self.options.test_timeout)
-            fresh = self._run_fresh(task, spec, script, self.options.test_timeout + INFRA_SLACK_S)
+            # The fast path: one `podman run --rm -i` creates, runs and removes the container;
+            # the testbed, the patches and the script arrive on its stdin.
+            script = (apply_script(filtered.patch, inline=False) if filtered.patch.strip() else "") + eval_script_for(
+                task, hidden, command, self.options.test_timeout, in_head=self._in_head(task, hidden), inline=False)
+            files = {"patch.diff": filtered.patch, "test.diff": task.test_patch or "", "script.sh": script}
+            fresh = self._run_fresh(task, spec, files, self.options.test_timeout + INFRA_SLACK_S)
             self._finish(out, task, filtered.patch, log, fresh, parse, alive=None)
             return
+        script = apply_script(filtered.patch) if filtered.patch.strip() else "cd /testbed\n"
         box = self._create(spec)
         try:
             res: ExecResult | None
@@ -325,6 +353,26 @@ class Grader:
                 self._tars.pop(next(iter(self._tars)))
         return data
 
+    def _in_head(self, task: TaskRow, paths: list[str]) -> set[str]:
+        """Which of ``paths`` the task's testbed commit holds (from the host's copy, listed once per task)."""
+        from legorl.sandbox.testbed import prepare_repo
+
+        key = (task.repo_source or "", task.repo_ref or task.base_commit or "")
+        with self._tar_lock:
+            files = self._heads.get(key)
+        if files is None:
+            repo, _commit = prepare_repo(key[0], key[1])
+            proc = subprocess.run(["git", "ls-tree", "-r", "-z", "--name-only", "HEAD"], cwd=repo, capture_output=True)
+            if proc.returncode != 0:
+                raise GradingInfraError(f"cannot list the testbed of {task.instance_id}: "
+                                        f"{proc.stderr.decode(errors='replace').strip()[-200:]}")
+            files = frozenset(p for p in proc.stdout.decode(errors="surrogateescape").split("\0") if p)
+            with self._tar_lock:
+                self._heads[key] = files
+                while len(self._heads) > 64:
+                    self._heads.pop(next(iter(self._heads)))
+        return {p for p in paths if p in files}
+
     @staticmethod
     def _script_tar(script: str) -> bytes:
         buf = io.BytesIO()
@@ -341,11 +389,19 @@ class Grader:
             raise GradingInfraError(f"the grading container is gone (exit {res.exit_code})")
         return res
 
-    def _run_fresh(self, task: TaskRow, spec: SandboxSpec, script: str, timeout: float) -> ExecResult:
-        """The whole grade in one fresh container: testbed + script on stdin, removed when done."""
+    def _run_fresh(self, task: TaskRow, spec: SandboxSpec, files: dict[str, str], timeout: float) -> ExecResult:
+        """The whole grade in one fresh container: testbed + ``WORK/<name>`` files (``script.sh``
+        among them) on stdin; the container is removed when it is done."""
         assert self._run_once is not None
-        stdin = self._testbed_tar(task) + self._script_tar(script)
-        res = self._run_once(spec, ["sh", "-c", _UNPACK], stdin=stdin, timeout=timeout)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name, text in files.items():
+                data = text.encode()
+                info = tarfile.TarInfo(f"{WORK.lstrip('/')}/{name}")
+                info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        stdin = self._testbed_tar(task) + buf.getvalue()
+        res = self._run_once(spec, ["sh", "-c", _UNPACK_FRESH], stdin=stdin, timeout=timeout)
         if res.exit_code == 125 and END_MARKER not in res.output:  # podman's own failure
             last = res.output.strip().splitlines()[-1:] or [""]
             raise GradingInfraError(f"podman could not run the grading container: {last[0][:300]}")

@@ -31,6 +31,7 @@ from legorl.sandbox.base import Sandbox
 
 COMMIT_MESSAGE = "legorl testbed"
 _FIXED_DATE = "2000-01-01T00:00:00+0000"
+_LAYOUT = "packed, no templates"  # part of the cache key: a change to how testbeds are laid out rebuilds them
 _GIT_ENV = {
     "GIT_AUTHOR_NAME": "legorl", "GIT_AUTHOR_EMAIL": "legorl@localhost", "GIT_AUTHOR_DATE": _FIXED_DATE,
     "GIT_COMMITTER_NAME": "legorl", "GIT_COMMITTER_EMAIL": "legorl@localhost", "GIT_COMMITTER_DATE": _FIXED_DATE,
@@ -101,7 +102,8 @@ def prepare_repo(repo_source: str | os.PathLike[str], ref: str) -> tuple[Path, s
     source = Path(repo_source)
     store = _object_store(source)
     commit = _resolve(store, ref, source)
-    out = cache_dir() / "testbeds" / hashlib.sha256(f"{store.resolve()}|{commit}".encode()).hexdigest()[:16]
+    key = f"{store.resolve()}|{commit}|{_LAYOUT}"
+    out = cache_dir() / "testbeds" / hashlib.sha256(key.encode()).hexdigest()[:16]
     done = out / ".git" / "legorl-testbed"
     if done.exists():
         return out, done.read_text().strip()
@@ -129,9 +131,12 @@ def prepare_repo(repo_source: str | os.PathLike[str], ref: str) -> tuple[Path, s
         if archive.wait() != 0 or untar.returncode != 0:
             raise TestbedError(f"git archive of {commit[:12]} from {source} failed: "
                                f"{(err or untar.stderr).decode(errors='replace').strip()[-200:]}")
-        _git_ok(["init", "-q", "-b", "main"], cwd=tree)
+        _git_ok(["init", "-q", "-b", "main", "--template="], cwd=tree)  # no sample hooks to copy
         _git_ok(["add", "-A", "-f"], cwd=tree)
         _git_ok(["commit", "-q", "--allow-empty", "--no-verify", "-m", COMMIT_MESSAGE], cwd=tree)
+        # one pack instead of a file per object: a copy (or a grading tar) of the testbed then
+        # holds a few files for .git instead of one per blob and tree
+        _git_ok(["repack", "-a", "-d", "-q"], cwd=tree)
         new = _git_ok(["rev-parse", "HEAD"], cwd=tree).decode().strip()
         shutil.rmtree(tree / ".git" / "logs", ignore_errors=True)  # the reflog of the one commit: noise
         (tree / ".git" / "legorl-testbed").write_text(new + "\n")
