@@ -15,10 +15,13 @@ alternating which goes first (the host is shared: the load average is printed ne
   ``network_mode="none"`` (the socket would give them a bridge network). The third adjustment
   (mapping podman's "image not known" for image *builds*) is not needed: nothing is built
   through the socket.
-- legorl grades through ``legorl.stages.grade.grade_stage``: a fresh container per grade, the
-  testbed built from the task's bundle (cached on the host after the first use).
+- legorl grades through ``legorl.stages.grade.grade_stage``: a fresh container per grade (one
+  ``podman run --rm -i``), the testbed built from the task's bundle (the one-commit repository and
+  its tar are cached on the host after the first use, as SWE-bench's images are built once).
 
-Prints per-task seconds, throughput and the ratio (legorl throughput / SWE-bench throughput).
+Prints per-run wall seconds with the load average, then min / median wall, throughput and the
+ratio (legorl throughput / SWE-bench throughput): of the medians, of the best runs, and per repeat
+(each repeat runs the two back to back, the figure least sensitive to a shared host's load).
 """
 
 from __future__ import annotations

@@ -211,12 +211,16 @@ def _build_trainer(
     init_from: Path, output_dir: Path, data: StepData, batches: list[list[int]], config: TrainConfig,
     carry: Path | None, callbacks: list[Any],
 ) -> Any:
+    import warnings
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
     from legorl.training.trainer import SegmentGRPOTrainer
 
+    # TRL 1.16 still passes transformers 5's renamed gradient_checkpointing options: not ours to fix.
+    warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning)
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(init_from, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(init_from)

@@ -103,7 +103,7 @@ def test_shared_prefix_loss_equals_a_full_forward(tiny_model: Path) -> None:
     full.backward()
     assert abs(float(fast.detach()) - float(full.detach())) < 1e-5
     for g, p in zip(grads, [p for p in model.parameters() if p.grad is not None], strict=True):
-        assert torch.allclose(g, p.grad, atol=1e-6)
+        assert p.grad is not None and torch.allclose(g, p.grad, atol=1e-6)
 
 
 @pytest.mark.podman
@@ -124,7 +124,7 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
     run = tmp_path / "run"
     import_stage(str(write_task_set(tmp_path / "set", 1, seed=3)), run / "tasks")
     task = generate(1, seed=3)[0]
-    wrong = f"sed -i 's/ = .*/ = 0/' {task.filename}"  # breaks the neighbour too
+    wrong = f"sed -i 's/return a/return b/' {task.filename}"  # breaks both functions: graded, reward 0
 
     def reply(call: ScriptedCall) -> str:
         if "<tool_response>" in call.prompt_text:
@@ -133,7 +133,7 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
         return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
 
     engine = ScriptedEngine(tok, lambda call: reply(call))
-    with InProcessProxy(engine, tok) as proxy:  # type: ignore[arg-type]
+    with InProcessProxy(engine, tok) as proxy:
         summary = rollout_stage(RolloutConfig(run=run, harnesses=["simple"], samples=2, max_turns=3,
                                               timeout_s=120), proxy)
     assert summary.outcomes == {"submitted": 2}
@@ -175,4 +175,4 @@ def test_demo_loop_runs_rollout_grade_train_reload(tmp_path: Path, tiny_model: P
     assert info["started_from"].endswith("step-0")
     report = json.loads((run / "report.json").read_text())
     assert [s["step"] for s in report["steps"]] == [0, 1]
-    assert (run / "report.md").read_text().count("\n| ") == 3
+    assert (run / "report.md").read_text().count("\n| ") == 4  # header, separator, two steps

@@ -12,8 +12,15 @@ The steps, in one container that is removed on every exit path:
 5. reset the files ``test_patch`` touches and apply it; run the test command between SWE-bench's
    markers with a timeout; parse; judge every FAIL_TO_PASS / PASS_TO_PASS test.
 
-Steps 3 and 5 run as one shell script in one ``exec`` (two when step 4 has files to judge): each
-``exec`` costs a podman round trip, and grading throughput is what RL waits on.
+Grading throughput is what RL waits on, so the common case — a task with a ``repo_source`` and a
+patch that leaves the shared config files alone — is one podman call
+(:meth:`~legorl.sandbox.podman.PodmanBackend.run_once`): ``podman run --rm -i`` whose stdin holds
+the task's testbed as a tar (built once per task and kept next to the host's testbed), the patch,
+test_patch and the script of steps 3 and 5; the container is created, runs and is removed by that
+one call. The hidden files the testbed's commit holds are known on the host, so their reset is one
+``git checkout``. Otherwise (an image's own ``/testbed``, step 4 needed, another sandbox backend)
+the container is created, the script runs in one ``exec`` (two when step 4 has files to judge),
+and it is removed.
 
 Grading's own failures — image missing, container gone, a task whose test_patch does not apply,
 no test runner in the image — are ``infra_error`` with a null reward, never reward 0: a rerun
@@ -156,7 +163,7 @@ def eval_script_for(task: TaskRow, hidden: list[str], command: str, timeout: flo
         lines.append(f"rm -rf -- {' '.join(shlex.quote(p) for p in hidden)}")
         kept = [p for p in hidden if p in in_head]
         if kept:
-            lines.append(f"git checkout -q HEAD -- {' '.join(shlex.quote(p) for p in kept)}")
+            lines.append(f"git --literal-pathspecs checkout -q HEAD -- {' '.join(shlex.quote(p) for p in kept)}")
     if (task.test_patch or "").strip():
         if inline:
             lines.append(_b64_file(f"{WORK}/test.diff", task.test_patch or ""))
