@@ -109,6 +109,17 @@ def test_unsafe_paths_are_dropped() -> None:
     assert filter_patch(diff, []).dropped == {"../etc/x": "unsafe path", ".git/config": "unsafe path"}
 
 
+def test_compiled_bytecode_is_dropped() -> None:
+    def add(path: str) -> str:
+        return f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1 @@\n+x\n"
+
+    diff = add("tests/__pycache__/helpers.cpython-311.pyc") + add("lib/old.pyo") + add("lib/core.py")
+    result = filter_patch(diff, ["tests/test_core.py"])
+    assert result.dropped == {"tests/__pycache__/helpers.cpython-311.pyc": "compiled bytecode",
+                              "lib/old.pyo": "compiled bytecode"}
+    assert touched_paths(result.patch) == ["lib/core.py"]
+
+
 def test_pytest_sections() -> None:
     assert pytest_section("tox.ini", "[tox]\nenvlist = py3\n") is None
     assert pytest_section("tox.ini", "[pytest]\naddopts = -x\n") == {"addopts": "-x"}

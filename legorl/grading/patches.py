@@ -6,8 +6,10 @@ paths are dropped (and recorded on the grade row):
 - the hidden test files (every path the task's ``test_patch`` touches), and ``__init__.py`` in
   their folders;
 - test infrastructure anywhere in the tree: ``conftest.py``; ``pytest.ini`` / ``.pytest.ini`` /
-  ``pytest.toml``; ``sitecustomize.py`` / ``usercustomize.py``; ``*.pth``; top-level modules that
-  would shadow the test runner (``pytest``, ``_pytest``, ``pluggy``, ``py``);
+  ``pytest.toml``; ``sitecustomize.py`` / ``usercustomize.py``; ``*.pth``; compiled bytecode
+  (``*.pyc``, ``*.pyo``, ``__pycache__/``: an unchecked-hash ``.pyc`` would run instead of a hidden
+  helper's source); top-level modules that would shadow the test runner (``pytest``, ``_pytest``,
+  ``pluggy``, ``py``);
 - unsafe paths (absolute, ``..``, inside ``.git``).
 
 ``tox.ini``, ``setup.cfg`` and ``pyproject.toml`` hold other things besides pytest's settings, so
@@ -184,6 +186,8 @@ def drop_reason(path: str, hidden: frozenset[str], hidden_dirs: frozenset[str]) 
         return "interpreter hook"
     if name.endswith(".pth"):
         return ".pth file"
+    if name.endswith((".pyc", ".pyo")) or "__pycache__" in pure.parts:
+        return "compiled bytecode"
     if name in PYTEST_CONFIGS:
         return "pytest config"
     if pure.parts and pure.parts[0] in RUNNER_MODULES:
