@@ -11,7 +11,6 @@ from typing import Any
 from legorl.engines.base import Engine, Generation, PromptTooLong, SamplingParams, TokenChunk
 from legorl.errors import ConfigError
 
-
 ENGINE_KINDS = ("embedded", "vllm", "scripted")
 
 

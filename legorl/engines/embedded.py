@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from legorl.engines.base import PromptTooLong
-from legorl.engines.base import Generation, SamplingParams, TokenChunk
+from legorl.engines.base import Generation, PromptTooLong, SamplingParams, TokenChunk
 from legorl.errors import ConfigError, LegorlError
 from legorl.routing import capture_routing, routing_shape
 

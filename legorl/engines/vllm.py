@@ -43,8 +43,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from legorl.engines.base import PromptTooLong
-from legorl.engines.base import Generation, SamplingParams, TokenChunk
+from legorl.engines.base import Generation, PromptTooLong, SamplingParams, TokenChunk
 from legorl.errors import ConfigError, LegorlError
 
 _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
