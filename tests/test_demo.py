@@ -155,7 +155,10 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
 def test_demo_loop_runs_rollout_grade_train_reload(tmp_path: Path, tiny_model: Path) -> None:
     """Two steps of the loop on two tasks: every stage's shards for both steps in one run directory,
     a checkpoint per step (the second step sampled from the first's), and the report."""
-    from legorl.demo.loop import DemoConfig, run_loop
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "cpu-demo"))
+    from demo_loop import DemoConfig, run_loop
 
     run = tmp_path / "run"
     cfg = DemoConfig(run=run, steps=2, tasks=2, samples=2, warmup_steps=3, warmup_tasks=20, model=None,

@@ -3,7 +3,7 @@ then a reward-over-steps report (``report.md``, ``report.json``, ``reward.png`` 
 
     python examples/cpu-demo/learn.py --run runs/demo-s0 --seed 0 --steps 10
 
-Every option of :class:`legorl.demo.loop.DemoConfig` is a flag (``--warmup-steps``, ``--lr``, ...).
+Every option of :class:`demo_loop.DemoConfig` is a flag (``--warmup-steps``, ``--lr``, ...).
 Rerunning with the same ``--run`` resumes.
 """
 
@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from legorl.demo.loop import DemoConfig, log, run_loop
+from demo_loop import DemoConfig, log, run_loop
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from legorl.demo.loop import plot
+from demo_loop import plot
 
 
 def main() -> None:
