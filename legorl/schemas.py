@@ -232,6 +232,16 @@ def group_key(task_id: str, step: int) -> str:
 # --------------------------------------------------------------------------- row classes
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 class _Row:
     """Shared conversion for row classes: shallow ``to_dict`` (nested rows too) and ``from_dict``."""
 
@@ -239,19 +249,18 @@ class _Row:
     _nested: ClassVar[dict[str, type]] = {}
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
+        out = {name: getattr(self, name) for name in _field_names(type(self))}
+        for name in self._nested:  # rows inside rows become dicts too
+            value = out[name]
             if isinstance(value, _Row):
-                value = value.to_dict()
-            elif isinstance(value, list) and value and isinstance(value[0], _Row):
-                value = [v.to_dict() for v in value]
-            out[f.name] = value
+                out[name] = value.to_dict()
+            elif isinstance(value, list):
+                out[name] = [v.to_dict() if isinstance(v, _Row) else v for v in value]
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        names = _field_names(cls)
         kwargs: dict[str, Any] = {}
         for name, value in data.items():
             if name not in names:
