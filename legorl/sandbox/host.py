@@ -202,11 +202,13 @@ def _apt_install(packages: Sequence[str]) -> subprocess.CompletedProcess[str]:
 
 def ensure_tools(install: bool = True) -> Step:
     """podman, runc (and debootstrap, for the offline base image) on PATH; apt-get them as root."""
-    wanted = {"podman": "podman", "runc": "runc", "debootstrap": "debootstrap", "slirp4netns": "slirp4netns"}
+    # catatonit is only a Recommends of Debian's podman, but every `--init` container needs it.
+    wanted = {"podman": "podman", "runc": "runc", "debootstrap": "debootstrap", "slirp4netns": "slirp4netns",
+              "catatonit": "catatonit"}
     missing = [pkg for binary, pkg in wanted.items() if shutil.which(binary) is None]
     if not missing:
         version = subprocess.run(["podman", "--version"], capture_output=True, text=True).stdout.strip()
-        return Step("podman + runc", "ok", f"{version}; runc, debootstrap, slirp4netns present")
+        return Step("podman + runc", "ok", f"{version}; runc, debootstrap, slirp4netns, catatonit present")
     command = f"apt-get install -y {' '.join(missing)}"
     if not install or os.geteuid() != 0 or shutil.which("apt-get") is None:
         return Step("podman + runc", "manual", f"missing {', '.join(missing)}: run `sudo {command}`")
