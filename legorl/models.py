@@ -255,6 +255,42 @@ def chat_examples(tokenizer: Any, n: int, rng: random.Random) -> list[list[int]]
     return out
 
 
+def supervised_steps(
+    model: Any, next_loss: Callable[[], Any], *, steps: int, lr: float, max_seconds: float | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> dict[str, float]:
+    """The supervised loop warm-ups share: AdamW, 10-step linear warm-up then cosine decay, gradient
+    clipping at 1. ``next_loss()`` draws a batch and returns its loss. Leaves the model in eval mode.
+
+    Returns ``{"first_loss", "last_loss", "seconds", "steps"}`` (steps actually taken)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / 10) * 0.5 * (1 + math.cos(math.pi * i / steps))
+    )
+    t0 = time.perf_counter()
+    first = last = float("nan")
+    done = 0
+    for step in range(steps):
+        if max_seconds is not None and step > 0 and time.perf_counter() - t0 > max_seconds:
+            break
+        loss = next_loss()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        last = float(loss.detach())
+        if step == 0:
+            first = last
+        done = step + 1
+        if progress is not None:
+            progress(done, last)
+    model.eval()
+    return {"first_loss": first, "last_loss": last, "seconds": time.perf_counter() - t0, "steps": done}
+
+
 def warmup(
     model_dir: Path,
     *,
@@ -313,31 +349,12 @@ def warmup(
             labels.append(lab)
         return torch.tensor(rows), torch.tensor(labels)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / 10) * 0.5 * (1 + math.cos(math.pi * i / steps))
-    )
-    t0 = time.perf_counter()
-    first = last = float("nan")
-    done = 0
-    for step in range(steps):
-        if max_seconds is not None and step > 0 and time.perf_counter() - t0 > max_seconds:
-            break
+    def next_loss() -> torch.Tensor:
         x, y = batch()
-        loss = model(input_ids=x, labels=y).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        last = float(loss.detach())
-        if step == 0:
-            first = last
-        done = step + 1
-        if progress is not None:
-            progress(done, last)
-    seconds = time.perf_counter() - t0
-    model.eval()
+        return model(input_ids=x, labels=y).loss
+
+    stats = supervised_steps(model, next_loss, steps=steps, lr=lr, max_seconds=max_seconds, progress=progress)
+    first, last, seconds, done = stats["first_loss"], stats["last_loss"], stats["seconds"], int(stats["steps"])
     model.save_pretrained(model_dir)
     info = model_info(model_dir)
     info["warmup_steps"] = int(info.get("warmup_steps", 0)) + done

@@ -17,9 +17,7 @@ The loss is on the assistant turns only. A share of the demonstrations is delibe
 from __future__ import annotations
 
 import json
-import math
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Any
 from legorl.demo.taskgen import DemoTask
 from legorl.errors import ConfigError
 from legorl.harnesses.simple import BASH_TOOL, SYSTEM_PROMPT, tool_result
+from legorl.models import supervised_steps
 
 FINAL_ANSWER = "DONE"
 
@@ -114,25 +113,11 @@ def train_format(
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pad = int(tokenizer.pad_token_id)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / 10) * 0.5 * (1 + math.cos(math.pi * i / steps)))
-    t0 = time.perf_counter()
-    first = last = float("nan")
-    for step in range(steps):
-        loss = batch_loss(model, [data[rng.randrange(len(data))] for _ in range(batch_size)], pad)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        last = float(loss.detach())
-        if step == 0:
-            first = last
-        if progress is not None:
-            progress(step + 1, last)
-    seconds = time.perf_counter() - t0
-    model.eval()
+    stats = supervised_steps(
+        model, lambda: batch_loss(model, [data[rng.randrange(len(data))] for _ in range(batch_size)], pad),
+        steps=steps, lr=lr, progress=progress,
+    )
+    first, last, seconds = stats["first_loss"], stats["last_loss"], stats["seconds"]
     model.save_pretrained(model_dir)
     info_path = model_dir / "legorl_model.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
