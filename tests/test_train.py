@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,15 +30,6 @@ SPECS = [
     TrialSpec("t2", 1, 0.5),
     TrialSpec("t2", 2, 1.0),
 ]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models on shared cores run ~10x faster on one thread than oversubscribed on two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from train_support import TrialSpec, make_run
 
@@ -19,14 +17,6 @@ from legorl.training.config import TrainConfig
 SPECS = [TrialSpec("t1", i, r) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
 SHOWN = ("routing/natural_flip_rate", "routing/effective_flip_rate", "fidelity/logprob_pearson",
          "fidelity/mismatch_kl", "fidelity/logprob_abs_diff_max")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _perturbed(model_dir: Path, out: Path, scale: float = 0.03) -> Path:

@@ -14,7 +14,6 @@ path, so an install never moves after it is made.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -23,13 +22,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from legorl.errors import LegorlError
-from legorl.paths import cache_dir
+from legorl.paths import cache_dir, file_lock
 
 MARKER = "legorl-install.json"
 # Releases of litellm that were compromised upstream; never let a resolver pick them.
@@ -175,17 +173,6 @@ def find_python(min_version: tuple[int, int], explicit: str | None = None) -> st
 # --------------------------------------------------------------------------- installing
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _run(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None) -> None:
     with open(log, "a") as handle:
         handle.write(f"$ {' '.join(cmd)}\n")
@@ -229,7 +216,7 @@ def install(name: str, force: bool = False, python: str | None = None) -> Instal
     """Install harness ``name`` at its pinned version into the cache (no-op when already there)."""
     r = recipe(name)
     root = harness_root(name)
-    with _locked(root.parent / f".{root.name}.lock"):
+    with file_lock(root.parent / f".{root.name}.lock"):
         done = installed(name)
         if done is not None and not force:
             return done

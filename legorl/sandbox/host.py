@@ -11,8 +11,6 @@ legorl's process inherit it when they are given ``podman_env()``.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -20,13 +18,13 @@ import resource
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from legorl.errors import LegorlError
-from legorl.paths import cache_dir
+from legorl.paths import cache_dir, file_lock
 
 Status = Literal["ok", "fixed", "failed", "manual", "skipped"]
 
@@ -245,18 +243,6 @@ def image_exists(name: str) -> bool:
     return run_podman(["image", "exists", name], check=False, timeout=60).returncode == 0
 
 
-@contextlib.contextmanager
-def _lock(name: str) -> Iterator[None]:
-    """Serialise builds between concurrent `legorl setup`s (tests run by several people at once)."""
-    path = cache_dir() / f"{name}.lock"
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _changes() -> list[str]:
     out = ["--change", "WORKDIR /testbed", "--change", 'CMD ["sleep", "infinity"]']
     for env in BASE_ENV:
@@ -339,7 +325,7 @@ def ensure_base_image(build: bool = True) -> Step:
     if not build:
         return Step("base image", "manual", f"{name} missing: run `legorl setup`")
     start = time.monotonic()
-    with _lock("base-image"):
+    with file_lock(cache_dir() / "base-image.lock"):  # concurrent `legorl setup`s
         if image_exists(name):  # somebody else built it while we waited
             return Step("base image", "ok", f"{name} present (built by a concurrent setup)")
         log = cache_dir() / "base-image-build.log"
