@@ -23,6 +23,8 @@ class SandboxSpec:
     pids_limit: int = 1024
     cpus: float | None = None
     mounts: tuple[tuple[str, str, bool], ...] = ()  # (host path, container path, read_only)
+    read_only: bool = False  # the image's filesystem read-only: writes go only to the tmpfs mounts
+    tmpfs: tuple[tuple[str, str], ...] = ()  # (container path, mount options, e.g. "size=1g,mode=1777")
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/testbed"
     deadline_s: float | None = None  # wall-clock lifetime after which the reaper removes it

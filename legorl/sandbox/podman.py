@@ -147,6 +147,10 @@ class PodmanBackend:
             args += ["--cpus", f"{spec.cpus:g}"]
         for key, value in labels.items():
             args += ["--label", f"{key}={value}"]
+        if spec.read_only:
+            args.append("--read-only")
+        for ctr, options in spec.tmpfs:
+            args += ["--tmpfs", f"{ctr}:rw,exec,{options}" if options else f"{ctr}:rw,exec"]
         for host, ctr, read_only in spec.mounts:
             if not Path(host).exists():
                 raise SandboxError(f"mount source {host} does not exist")
