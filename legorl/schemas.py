@@ -53,6 +53,8 @@ class GradeStatus(StrEnum):
     EMPTY_PATCH = "empty_patch"
     PATCH_APPLY_FAILED = "patch_apply_failed"
     TEST_TIMEOUT = "test_timeout"
+    TESTS_ERRORED = "tests_errored"  # the test run broke after the patch went in (crash, kill, no report)
+    SUSPICIOUS = "suspicious"  # the tests passed, but the patch's code reaches into the test runner
     INFRA_ERROR = "infra_error"
 
 
@@ -139,6 +141,8 @@ TASKS_SCHEMA = pa.schema(
         pa.field("repo_ref", _str),
         pa.field("test_command", _str),
         pa.field("log_parser", _str),
+        # JSON object: every test's status when the gold patch is graded (the reference a trial must reach)
+        pa.field("gold_statuses", _str),
     ]
 )
 
@@ -181,6 +185,10 @@ GRADES_SCHEMA = pa.schema(
         pa.field("tests", pa.list_(TEST_RESULT_TYPE)),
         pa.field("dropped_paths", _strings),
         pa.field("apply_method", _str),
+        # lines the patch added that reach into the test runner or the interpreter ("path:line: why: code")
+        pa.field("suspicious", _strings),
+        # the control run (the gold or empty patch, same conditions) behind an infra / tests_errored verdict
+        pa.field("control", _str),
         pa.field("duration_s", pa.float64()),
         pa.field("log", _str),
     ]
@@ -332,6 +340,14 @@ class TaskRow(_Row):
     repo_ref: str | None = None
     test_command: str | None = None
     log_parser: str | None = None
+    gold_statuses: str | None = None
+
+    def gold_status_map(self) -> dict[str, str] | None:
+        """``gold_statuses`` as a dict (None when the task has no recorded reference)."""
+        if not self.gold_statuses:
+            return None
+        data = json.loads(self.gold_statuses)
+        return {str(k): str(v) for k, v in data.items()}
 
 
 @dataclass(slots=True)
@@ -402,6 +418,8 @@ class GradeRow(_Row):
     tests: list[TestResult] = field(default_factory=list)
     dropped_paths: list[str] = field(default_factory=list)
     apply_method: str | None = None
+    suspicious: list[str] = field(default_factory=list)
+    control: str | None = None
     duration_s: float | None = None
     log: str | None = None
 

@@ -1,36 +1,31 @@
-"""Grade one (task, patch): a fresh container, the filtered patch, the hidden tests, SWE-bench's rules.
+"""Grade one (task, patch) in a fresh container, on what actually happened there.
 
-The steps, in one container that is removed on every exit path:
+The threat model (docs/threat-model.md): the patch is hostile, and so is every byte the code it
+changes prints. So the grader
 
-1. drop the patch's edits to hidden test files and test infrastructure (:mod:`.patches`);
-2. start a container from the task's image (network off) and build ``/testbed`` at the task's
-   commit (from ``repo_source``), or use the image's own ``/testbed`` with its history stripped;
-3. apply the patch with ``git apply -v``, then ``--3way``, then ``--reject``, then
-   ``patch --batch --forward --fuzz=5 -p1`` (the tree is reset between tries; all failing is
-   ``patch_apply_failed``, reward 0);
-4. restore tox.ini / setup.cfg / pyproject.toml whose pytest section the patch changed;
-5. reset the files ``test_patch`` touches and apply it; run the test command between SWE-bench's
-   markers with a timeout; parse; judge every FAIL_TO_PASS / PASS_TO_PASS test.
+- applies the patch as an unprivileged user in a fresh container from the task's image (network
+  off, read-only image, size-capped tmpfs), then judges the **tree**, not the diff text: what a
+  candidate patch may not change is put back (:mod:`.sandboxed.judge`);
+- runs the hidden tests through a runner the repository cannot subvert (:mod:`.sandboxed.runner`)
+  as that user, and takes each test's status from the runner's report, read by root after every
+  process of that user is dead, never from the log;
+- judges each test against the status the gold patch reaches (:mod:`.report`);
+- scores a pass whose code reaches into the runner or the interpreter as ``suspicious``, 0;
+- labels a grade infrastructure only from signals outside the patch's reach: a failure before the
+  patch went in (image, container, testbed), or a failure after it that a **control run** (the
+  gold patch, else the empty one, in the same conditions) repeats. Any other failure after the
+  patch went in — a crash, a usage error, a killed runner, no report — is the patch's doing:
+  ``tests_errored``, reward 0.
 
-Grading throughput is what RL waits on, so the common case — a task with a ``repo_source`` and a
-patch that leaves the shared config files alone — is one podman call
-(:meth:`~legorl.sandbox.podman.PodmanBackend.run_once`): ``podman run --rm -i`` whose stdin holds
-the task's testbed as a tar (built once per task and kept next to the host's testbed), the patch,
-test_patch and the script of steps 3 and 5; the container is created, runs and is removed by that
-one call. The hidden files the testbed's commit holds are known on the host, so their reset is one
-``git checkout``. Otherwise (an image's own ``/testbed``, step 4 needed, another sandbox backend)
-the container is created, the script runs in one ``exec`` (two when step 4 has files to judge),
-and it is removed.
-
-Grading's own failures — image missing, container gone, a task whose test_patch does not apply,
-no test runner in the image — are ``infra_error`` with a null reward, never reward 0: a rerun
-grades them again.
+The container's script and event protocol are in :mod:`.script`. Whatever a patch holds, ``grade``
+returns a row: one bad patch never stops a stage.
 """
 
 from __future__ import annotations
 
-import base64
+import hashlib
 import io
+import json
 import os
 import shlex
 import subprocess
@@ -39,45 +34,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 
 from legorl.errors import LegorlError
-from legorl.grading.logparse import (
-    END_MARKER,
-    EXIT_CODE_MARKER,
-    START_MARKER,
-    TestStatuses,
-    contradicts_exit_code,
-    get_parser,
-    split_log,
-)
-from legorl.grading.patches import filter_patch, pytest_section, shared_configs, touched_paths
+from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
+from legorl.grading.patches import split_patch, touched_paths
 from legorl.grading.report import evaluate, failed_report
+from legorl.grading.script import bundle, grade_files, parse_pytest_command, read_events
 from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
 from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
 
-# SWE-bench's pytest command; a src/ layout is importable without installing the package.
-DEFAULT_TEST_COMMAND = (
-    'if [ -d src ]; then export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"; fi; '
-    "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
-)
-APPLY_FAILED = ">>>>> Patch Apply Failed"
-APPLIED = ">>>>> Applied Patch"
-TEST_PATCH_FAILED = ">>>>> Reset Failed"  # SWE-bench's marker: the hidden tests could not be put in place
-TIMED_OUT = ">>>>> Tests Timed Out"
-APPLY_METHODS = (
-    ("git apply", "git apply -v {f}"),
-    ("git apply --3way", "git apply -v --3way {f}"),
-    ("git apply --reject", "git apply -v --reject {f}"),
-    ("patch --fuzz=5", "patch --batch --forward --fuzz=5 -p1 -i {f}"),
-)
-WORK = "/tmp/.legorl-grade"
+GRADER_VERSION = "2"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
+DEFAULT_PYTEST = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
+MAX_PATCH_BYTES = 20_000_000
 MAX_LOG_CHARS = 200_000
 INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
-# stdin holds two tars back to back (the testbed, then the script): -i reads past the first's end
-_UNPACK = (f"rm -rf /testbed && mkdir -p /testbed && tar -x -i --no-same-owner -C / -f - "
-           f"&& exec bash {WORK}-script.sh")
-_UNPACK_FRESH = _UNPACK.replace(f"{WORK}-script.sh", f"{WORK}/script.sh")
+CONTROL_TTL_S = 600.0  # a control run that graded normally vouches for its task this long
+_UNPACK = "tar -x -i --no-same-owner -C / -f - && exec bash /tmp/.legorl-grade/script.sh"
 
 
 class GradingInfraError(LegorlError):
@@ -92,92 +64,62 @@ class GradeOptions:
     memory: str = "4g"
     cpus: float | None = None
     run_empty: bool = False  # also run the tests for an empty patch (task validation)
+    suspicious_scores_zero: bool = True  # False: a suspicious pass keeps its reward (findings still recorded)
 
 
 def hidden_test_files(test_patch: str | None) -> list[str]:
     """The test files the default command runs: the Python files ``test_patch`` leaves in place."""
-    from legorl.grading.patches import split_patch
-
     return [fp.new_path for fp in split_patch(test_patch or "") if fp.new_path and fp.new_path.endswith(".py")]
 
 
-def command_for(task: TaskRow) -> str:
-    files = hidden_test_files(task.test_patch)
-    command = task.test_command or DEFAULT_TEST_COMMAND
-    if "{test_files}" in command:
-        if not files:
-            raise GradingInfraError(f"task {task.instance_id}: test_patch touches no Python test file to run")
-        command = command.replace("{test_files}", " ".join(shlex.quote(f) for f in files))
-    return command
+@dataclass
+class Run:
+    """One grading container's run, read back through its event lines."""
+
+    result: ExecResult
+    events: dict[str, str]
+    test_output: str
+    report: dict[str, object] | None
+    judged: dict[str, object] | None
+    mode: str  # "runner" (the report counts) or "shell" (a custom command: its pytest log counts)
+
+    def failure(self, report_nonce: str) -> str | None:
+        """Why the test run did not produce trustworthy results (None: it did)."""
+        ev = self.events
+        if "judge_failed" in ev:
+            return f"the patched tree could not be judged: {ev['judge_failed']}"
+        if "test_patch_failed" in ev:
+            return "the hidden tests could not be put in place on the patched tree"
+        if "tests_end" not in ev:
+            return (f"the grading script stopped during the tests (exit {self.result.exit_code}"
+                    f"{', timed out' if self.result.timed_out else ''})")
+        code = _int(ev["tests_end"])
+        if code in (124, 137):
+            return None  # a timeout is judged on its own
+        if self.mode == "shell":
+            return None if "test session starts" in self.test_output else f"no pytest session (exit {code})"
+        if self.report is None:
+            return f"the test runner wrote no report (exit {code})"
+        if self.report.get("nonce") != report_nonce:
+            return "the test report does not carry this grade's nonce"
+        if self.report.get("exitstatus") != code:
+            return f"the test process exited {code} but pytest's session ended with {self.report.get('exitstatus')}"
+        if code not in (0, 1, 2):  # 2: collection errors; 3 internal error, 4 usage error, 5 no tests
+            return f"pytest could not run the tests (exit {code})"
+        return None
+
+    def statuses(self, parse: Callable[[str], TestStatuses]) -> TestStatuses:
+        if self.mode == "shell":
+            return parse(self.test_output)
+        raw = (self.report or {}).get("statuses") or {}
+        return TestStatuses.from_map({str(k): str(v) for k, v in dict(raw).items()})  # type: ignore[call-overload]
 
 
-def _b64_file(path: str, text: str) -> str:
-    data = base64.b64encode(text.encode()).decode()
-    return f"base64 -d > {shlex.quote(path)} <<'LEGORL_EOF'\n{data}\nLEGORL_EOF\n"
-
-
-def apply_script(patch: str, inline: bool = True) -> str:
-    """Shell: apply ``patch`` to /testbed by the first method that works, else print the failure marker.
-
-    ``inline=False``: the patch is not embedded; the caller has put it at ``WORK/patch.diff``.
-    """
-    lines = ["cd /testbed"]
-    if inline:
-        lines += [f"mkdir -p {WORK}", _b64_file(f"{WORK}/patch.diff", patch)]
-    lines.append("applied=")
-    for name, cmd in APPLY_METHODS:
-        lines += [
-            'if [ -z "$applied" ]; then',
-            f"  echo '>>>>> legorl: trying {name}'",
-            f"  if {cmd.format(f=f'{WORK}/patch.diff')} 2>&1; then applied={shlex.quote(name)}; "
-            "else git reset -q --hard HEAD; git clean -fdq; fi",
-            "fi",
-        ]
-    lines += [
-        f'if [ -z "$applied" ]; then echo "{APPLY_FAILED}"; exit 3; fi',
-        f'echo "{APPLIED} ($applied)"',
-        # only the fallbacks leave reject files behind (a clean `git apply` writes none)
-        'case "$applied" in "git apply"|"git apply --3way") ;; *) '
-        f"find . -name '*.rej' -newer {WORK}/patch.diff -not -path './.git/*' -delete 2>/dev/null;; esac",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def eval_script_for(task: TaskRow, hidden: list[str], command: str, timeout: float,
-                    in_head: set[str] | None = None, inline: bool = True) -> str:
-    """Shell: put the hidden tests in place (reset, then apply test_patch) and run the tests.
-
-    ``in_head``: which of ``hidden`` the testbed's commit holds, when the caller knows (one
-    ``git checkout`` for all of them instead of a check and a checkout per path);
-    ``inline=False``: the caller has put test_patch at ``WORK/test.diff``.
-    """
-    lines = ["cd /testbed"]
-    if in_head is None:
-        lines.append(f"mkdir -p {WORK}")
-        for path in hidden:
-            q = shlex.quote(path)
-            lines.append(f"if git cat-file -e HEAD:{q} 2>/dev/null; then git checkout -q HEAD -- {q}; "
-                         f"else rm -rf -- {q}; fi")
-    elif hidden:
-        # rm first, so whatever the patch left at a path (a directory, a link) goes; then HEAD's version
-        lines.append(f"rm -rf -- {' '.join(shlex.quote(p) for p in hidden)}")
-        kept = [p for p in hidden if p in in_head]
-        if kept:
-            lines.append(f"git --literal-pathspecs checkout -q HEAD -- {' '.join(shlex.quote(p) for p in kept)}")
-    if (task.test_patch or "").strip():
-        if inline:
-            lines.append(_b64_file(f"{WORK}/test.diff", task.test_patch or ""))
-        lines.append(f'git apply -v {WORK}/test.diff 2>&1 || {{ echo "{TEST_PATCH_FAILED}"; exit 4; }}')
-    lines += [
-        f"rm -rf {WORK}",
-        f"echo '{START_MARKER}'",
-        f"timeout -k 5 {timeout:g} bash -c {shlex.quote(command)} 2>&1 </dev/null",
-        "code=$?",
-        f"echo '{END_MARKER}'",
-        f'if [ "$code" = 124 ] || [ "$code" = 137 ]; then echo "{TIMED_OUT}"; fi',
-        f'echo "{EXIT_CODE_MARKER}: $code"',
-    ]
-    return "\n".join(lines) + "\n"
+def _int(text: str) -> int | None:
+    try:
+        return int(text.split()[0])
+    except (ValueError, IndexError):
+        return None
 
 
 def _trim(log: str) -> str:
@@ -187,10 +129,19 @@ def _trim(log: str) -> str:
     return log[:half] + f"\n... [{len(log) - MAX_LOG_CHARS} characters cut] ...\n" + log[-half:]
 
 
-class Grader:
-    """Grades patches against tasks, one fresh sandbox per grade.
+def _json(text: str) -> dict[str, object] | None:
+    try:
+        data = json.loads(text) if text else None
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
 
-    ``create`` makes a sandbox from a spec (``PodmanBackend().create`` by default).
+
+class Grader:
+    """Grades patches against tasks, one fresh container per grade.
+
+    ``create`` makes a sandbox from a spec (``PodmanBackend().create`` by default); a backend with a
+    ``run_once`` (podman's) runs each grade as one ``podman run --rm -i``.
     """
 
     def __init__(self, options: GradeOptions | None = None, create: Callable[[SandboxSpec], Sandbox] | None = None):
@@ -200,12 +151,12 @@ class Grader:
 
             create = PodmanBackend().create
         self._create = create
-        # A backend that can run a whole grade as one container command (PodmanBackend.run_once)
-        # is used for it; any other ``create`` gets the create / exec / remove path.
         self._run_once: Callable[..., ExecResult] | None = getattr(getattr(create, "__self__", None), "run_once", None)
+        self._lock = threading.Lock()
         self._tars: dict[tuple[str, str], bytes] = {}
         self._heads: dict[tuple[str, str], frozenset[str]] = {}
-        self._tar_lock = threading.Lock()
+        self._references: dict[str, TestStatuses | None] = {}
+        self._controls: dict[str, tuple[float, str]] = {}
 
     def image_for(self, task: TaskRow) -> str:
         if task.image:
@@ -216,6 +167,8 @@ class Grader:
 
         return base_image()
 
+    # ------------------------------------------------------------------ the verdict
+
     def grade(self, task: TaskRow, patch: str | None, trial_id: str | None = None, **row: object) -> GradeRow:
         """Grade ``patch`` on ``task``; extra keyword arguments (``harness``, ``step``) go on the row."""
         start = time.monotonic()
@@ -225,7 +178,7 @@ class Grader:
             self._grade(task, patch, out)
         except LegorlError as exc:  # SandboxError, TestbedError, GradingInfraError, missing image
             self._infra(out, str(exc))
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, subprocess.SubprocessError) as exc:
             self._infra(out, f"{type(exc).__name__}: {exc}")
         out.duration_s = round(time.monotonic() - start, 3)
         if out.log is not None:
@@ -236,10 +189,8 @@ class Grader:
     def _infra(out: GradeRow, error: str) -> None:
         out.status = GradeStatus.INFRA_ERROR
         out.infra_failure = True
-        out.reward = None
-        out.resolved = None
-        out.resolution = None
-        out.error = error.splitlines()[0] if error else "infrastructure error"
+        out.reward = out.resolved = out.resolution = None
+        out.error = error.splitlines()[0] if error.strip() else "infrastructure error"
 
     @staticmethod
     def _zero(out: GradeRow, status: GradeStatus, error: str, task: TaskRow, test_status: str = "MISSING") -> None:
@@ -248,100 +199,183 @@ class Grader:
         out.reward, out.resolved, out.resolution = 0.0, False, Resolution.NO
 
     def _grade(self, task: TaskRow, patch: str | None, out: GradeRow) -> None:
-        hidden = touched_paths(task.test_patch)
-        filtered = filter_patch(patch, hidden)
-        out.dropped_paths = sorted(filtered.dropped)
-        log: list[str] = [f"{'>>>>> legorl: dropped ' + p + ' (' + why + ')'}" for p, why in filtered.dropped.items()]
-        if not (patch or "").strip() and not self.options.run_empty:
+        text = patch or ""
+        problem = _patch_problem(text)
+        if problem:
+            self._zero(out, GradeStatus.PATCH_APPLY_FAILED, problem, task)
+            return
+        if not text.strip() and not self.options.run_empty:
             self._zero(out, GradeStatus.EMPTY_PATCH, "empty patch: nothing to grade", task)
             return
-        command = command_for(task)
-        parse = get_parser(task.log_parser)
+        reference = self.reference(task)
+        run, report_nonce = self._execute(task, text)
+        out.log = run.result.output
+        if "applied" not in run.events:
+            if "apply_failed" in run.events:
+                self._zero(out, GradeStatus.PATCH_APPLY_FAILED, "the patch did not apply by any method", task)
+                return
+            raise GradingInfraError(_before_patch_error(run))
+        out.apply_method = next((line[len(">>>>> Applied Patch ("):-1] for line in run.result.output.splitlines()
+                                 if line.startswith(">>>>> Applied Patch (")), None)
+        if run.judged is not None:
+            reset = [r for r in run.judged.get("reset", []) if isinstance(r, list) and len(r) == 2]  # type: ignore[attr-defined]
+            out.dropped_paths = sorted({str(path) for path, _why in reset})
+            out.suspicious = [str(s) for s in run.judged.get("suspicious", [])][:50]  # type: ignore[attr-defined]
+        failure = run.failure(report_nonce)
+        if failure is not None:
+            control = self._control(task)
+            if control is not None:
+                out.control = control
+                raise GradingInfraError(f"{failure}; the control run failed too: {control}")
+            out.control = "the task's control patch graded normally in the same conditions"
+            self._zero(out, GradeStatus.TESTS_ERRORED, failure, task)
+            return
+        statuses = run.statuses(get_parser(task.log_parser))
+        report = evaluate(statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS, reference)
+        out.tests = report.tests
+        code = _int(run.events["tests_end"])
+        if code in (124, 137):
+            self._zero(out, GradeStatus.TEST_TIMEOUT, f"the tests ran past {self.options.test_timeout:g} s", task)
+            out.tests = report.tests
+            return
+        if run.mode == "shell" and contradicts_exit_code(statuses, code):
+            self._zero(out, GradeStatus.TESTS_ERRORED, f"the test command exited {code} but its log reports no "
+                       "failing test", task)
+            return
+        out.reward, out.resolved, out.resolution = report.reward, report.resolved, report.resolution
+        if report.resolved and out.suspicious and self.options.suspicious_scores_zero:
+            out.status, out.reward, out.resolved, out.resolution = GradeStatus.SUSPICIOUS, 0.0, False, Resolution.NO
+            out.error = f"the tests passed, but the patch's code reaches into the test runner ({out.suspicious[0]})"
+
+    # ------------------------------------------------------------------ reference and control runs
+
+    def reference(self, task: TaskRow) -> TestStatuses | None:
+        """The gold patch's per-test statuses: recorded on the task, else one gold run (cached)."""
+        recorded = task.gold_status_map()
+        if recorded is not None:
+            return TestStatuses.from_map(recorded)
+        if not (task.patch or "").strip():
+            return None
+        key = self._task_key(task)
+        with self._lock:
+            if key in self._references:
+                return self._references[key]
+        statuses = self.gold_statuses(task)
+        ref = TestStatuses.from_map(statuses) if statuses is not None else None
+        with self._lock:
+            self._references[key] = ref
+        return ref
+
+    def gold_statuses(self, task: TaskRow) -> dict[str, str] | None:
+        """Grade the gold patch once and return every test's status (None when it does not run cleanly)."""
+        run, nonce = self._execute(task, task.patch or "")
+        if "applied" not in run.events:
+            if "apply_failed" in run.events:
+                raise GradingInfraError(f"task {task.instance_id}: its gold patch does not apply")
+            raise GradingInfraError(_before_patch_error(run))
+        failure = run.failure(nonce)
+        if failure is not None:
+            raise GradingInfraError(f"task {task.instance_id}: its gold patch does not grade cleanly: {failure}")
+        with self._lock:
+            self._controls[self._task_key(task)] = (time.monotonic(), "")
+        return run.statuses(get_parser(task.log_parser)).full
+
+    def _control(self, task: TaskRow) -> str | None:
+        """Run the control patch (gold, else empty) now; None when it grades normally, else why not."""
+        key = self._task_key(task)
+        with self._lock:
+            seen = self._controls.get(key)
+        if seen is not None and time.monotonic() - seen[0] < CONTROL_TTL_S and not seen[1]:
+            return None
+        try:
+            run, nonce = self._execute(task, task.patch or "")
+            problem = run.failure(nonce) if "applied" in run.events else _before_patch_error(run)
+        except LegorlError as exc:
+            problem = str(exc).splitlines()[0]
+        with self._lock:
+            self._controls[key] = (time.monotonic(), problem or "")
+        return problem
+
+    def _task_key(self, task: TaskRow) -> str:
+        parts = [GRADER_VERSION, task.instance_id, task.repo_source or "", task.repo_ref or "", task.base_commit or "",
+                 task.patch or "", task.test_patch or "", task.test_command or "", self.image_for(task)]
+        return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()
+
+    # ------------------------------------------------------------------ one container
+
+    def command_for(self, task: TaskRow) -> str:
+        files = hidden_test_files(task.test_patch)
+        command = task.test_command or DEFAULT_PYTEST
+        if not task.test_command and task.repo_source and "src" in {p.split("/", 1)[0] for p in self._head(task)
+                                                                    if "/" in p}:
+            command = "PYTHONPATH=src " + command  # a src layout is importable without installing it
+        if "{test_files}" in command:
+            if not files:
+                raise GradingInfraError(f"task {task.instance_id}: test_patch touches no Python test file to run")
+            command = command.replace("{test_files}", " ".join(shlex.quote(f) for f in files))
+        return command
+
+    def _execute(self, task: TaskRow, patch: str) -> tuple[Run, str]:
+        command = self.command_for(task)
+        files, nonce, report_nonce = grade_files(patch=patch, test_patch=task.test_patch or "",
+                                                 hidden=touched_paths(task.test_patch), command=command,
+                                                 timeout=self.options.test_timeout)
+        own_testbed = bool(task.repo_source)
         spec = SandboxSpec(
-            image=self.image_for(task), labels={"role": "grade", "trial": out.trial_id, **self.options.labels},
+            image=self.image_for(task), labels={"role": "grade", **self.options.labels},
             network=False, memory=self.options.memory, cpus=self.options.cpus,
             deadline_s=self.options.test_timeout + 2 * INFRA_SLACK_S,
+            read_only=own_testbed,
+            tmpfs=((("/testbed", "size=2g,mode=755"),) if own_testbed else ()) + (("/tmp", "size=2g,mode=1777"),),
         )
-        configs = shared_configs(filtered.kept)
-        if not configs and task.repo_source and self._run_once is not None:
-            # The fast path: one `podman run --rm -i` creates, runs and removes the container;
-            # the testbed, the patches and the script arrive on its stdin.
-            script = (apply_script(filtered.patch, inline=False) if filtered.patch.strip() else "") + eval_script_for(
-                task, hidden, command, self.options.test_timeout, in_head=self._in_head(task, hidden), inline=False)
-            files = {"patch.diff": filtered.patch, "test.diff": task.test_patch or "", "script.sh": script}
-            fresh = self._run_fresh(task, spec, files, self.options.test_timeout + INFRA_SLACK_S)
-            self._finish(out, task, filtered.patch, log, fresh, parse, alive=None)
-            return
-        script = apply_script(filtered.patch) if filtered.patch.strip() else "cd /testbed\n"
-        box = self._create(spec)
-        try:
-            res: ExecResult | None
-            if not configs and self._streams(box, task):
-                # One exec does it all: the testbed and the script arrive as a tar on stdin.
-                script += eval_script_for(task, hidden, command, self.options.test_timeout)
-                res = self._run_streamed(box, task, script, self.options.test_timeout + INFRA_SLACK_S)
-                configs = []
-            else:
-                self._prepare(box, task)
-                res = None
-            if configs:
-                applied = self._run(box, script, INFRA_SLACK_S)
-                log.append(applied.output)
-                if APPLIED not in applied.output and filtered.patch.strip():
-                    self._applied(out, applied.output, task, log)
-                    return
-                for path in self._changed_configs(box, configs):
-                    out.dropped_paths = sorted({*out.dropped_paths, path})
-                    log.append(f">>>>> legorl: restored {path} (pytest section changed)")
-                script = ""
-            if res is None:
-                script += eval_script_for(task, hidden, command, self.options.test_timeout)
-                res = self._run(box, script, self.options.test_timeout + INFRA_SLACK_S)
-            self._finish(out, task, filtered.patch, log, res, parse, alive=box.alive)
-        finally:
-            box.remove()
+        stdin = (self._testbed_tar(task) if own_testbed else b"") + bundle(files)
+        timeout = self.options.test_timeout + INFRA_SLACK_S
+        if self._run_once is not None:
+            res = self._run_once(spec, ["sh", "-c", _UNPACK], stdin=stdin, timeout=timeout)
+        else:
+            box = self._create(spec)
+            try:
+                res = box.exec(["sh", "-c", _UNPACK], timeout=timeout, stdin=stdin)  # type: ignore[call-arg]
+            finally:
+                box.remove()
+        events = read_events(res.output, nonce)
+        mode = events.data("tests_start") or ("runner" if parse_pytest_command(command) else "shell")
+        if "judge_failed" in events:  # the judge's own last words (stderr), for the row
+            last = events.decoded("judge_failed").strip().splitlines()
+            events.seen["judge_failed"] = last[-1][:300] if last else "the judge crashed"
+        run = Run(res, events.seen, events.test_output, _json(events.decoded("report")), _json(events.decoded("judged")),
+                  mode)
+        return run, report_nonce
 
-    def _finish(self, out: GradeRow, task: TaskRow, patch: str, log: list[str], res: ExecResult,
-                parse: Callable[[str], TestStatuses], alive: Callable[[], bool] | None) -> None:
-        """Judge the grading script's output; ``alive`` asks whether its container still runs
-        (None: the container was the script's own and is gone)."""
-        log.append(res.output)
-        text = "\n".join(log)
-        out.log = text
-        if patch.strip() and not self._applied(out, text, task, log):
-            return
-        if TEST_PATCH_FAILED in res.output:
-            raise GradingInfraError(f"task {task.instance_id}: its test_patch does not apply to the testbed")
-        if res.timed_out or END_MARKER not in res.output:
-            if alive is None:
-                if res.timed_out:
-                    raise GradingInfraError(f"the grading script did not finish in {res.duration_s:.0f} s")
-                raise GradingInfraError(f"the grading container died during the test run (exit {res.exit_code})")
-            if not alive():
-                raise GradingInfraError("the grading container died during the test run")
-            raise GradingInfraError(f"the grading script did not finish (exit {res.exit_code})")
-        self._judge(out, text, parse, task)
+    def _head(self, task: TaskRow) -> frozenset[str]:
+        """The files of the task's testbed commit (listed once per task from the host's copy)."""
+        from legorl.sandbox.testbed import prepare_repo
 
-    @staticmethod
-    def _streams(box: Sandbox, task: TaskRow) -> bool:
-        """Whether the fast path applies: a repo_source to build from and an exec that takes stdin."""
-        import inspect
-
-        return bool(task.repo_source) and "stdin" in inspect.signature(box.exec).parameters
+        key = (task.repo_source or "", task.repo_ref or task.base_commit or "")
+        with self._lock:
+            files = self._heads.get(key)
+        if files is None:
+            repo, _commit = prepare_repo(key[0], key[1])
+            proc = subprocess.run(["git", "ls-tree", "-r", "-z", "--name-only", "HEAD"], cwd=repo, capture_output=True)
+            if proc.returncode != 0:
+                raise GradingInfraError(f"cannot list the testbed of {task.instance_id}: "
+                                        f"{proc.stderr.decode(errors='replace').strip()[-200:]}")
+            files = frozenset(p for p in proc.stdout.decode(errors="surrogateescape").split("\0") if p)
+            with self._lock:
+                self._heads[key] = files
+        return files
 
     def _testbed_tar(self, task: TaskRow) -> bytes:
         """``testbed/...`` as an uncompressed tar of the one-commit repository (cached per task)."""
         from legorl.sandbox.testbed import prepare_repo
 
-        ref = task.repo_ref or task.base_commit or ""
-        key = (task.repo_source or "", ref)
-        with self._tar_lock:
+        key = (task.repo_source or "", task.repo_ref or task.base_commit or "")
+        with self._lock:
             cached = self._tars.get(key)
         if cached is not None:
             return cached
-        repo, _commit = prepare_repo(task.repo_source or "", ref)
-        # the tar is kept next to the (immutable) testbed, so a new grading process reads it
-        # instead of walking the tree again
+        repo, _commit = prepare_repo(*key)
+        # kept next to the (immutable) testbed, so a new grading process reads it instead of walking the tree
         path = repo.with_name(repo.name + ".grade-v1.tar")
         try:
             data = path.read_bytes()
@@ -354,138 +388,32 @@ class Grader:
             tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             tmp.write_bytes(data)
             os.replace(tmp, path)
-        with self._tar_lock:
+        with self._lock:
             self._tars[key] = data
             while len(self._tars) > 64:
                 self._tars.pop(next(iter(self._tars)))
         return data
 
-    def _in_head(self, task: TaskRow, paths: list[str]) -> set[str]:
-        """Which of ``paths`` the task's testbed commit holds (from the host's copy, listed once per task)."""
-        from legorl.sandbox.testbed import prepare_repo
 
-        key = (task.repo_source or "", task.repo_ref or task.base_commit or "")
-        with self._tar_lock:
-            files = self._heads.get(key)
-        if files is None:
-            repo, _commit = prepare_repo(key[0], key[1])
-            proc = subprocess.run(["git", "ls-tree", "-r", "-z", "--name-only", "HEAD"], cwd=repo, capture_output=True)
-            if proc.returncode != 0:
-                raise GradingInfraError(f"cannot list the testbed of {task.instance_id}: "
-                                        f"{proc.stderr.decode(errors='replace').strip()[-200:]}")
-            files = frozenset(p for p in proc.stdout.decode(errors="surrogateescape").split("\0") if p)
-            with self._tar_lock:
-                self._heads[key] = files
-                while len(self._heads) > 64:
-                    self._heads.pop(next(iter(self._heads)))
-        return {p for p in paths if p in files}
+def _patch_problem(patch: str) -> str | None:
+    """Why a patch cannot even be handed to the container (None: it can)."""
+    try:
+        data = patch.encode("utf-8")
+    except UnicodeEncodeError:
+        return "the patch is not valid UTF-8 text"
+    if len(data) > MAX_PATCH_BYTES:
+        return f"the patch is {len(data)} bytes (at most {MAX_PATCH_BYTES})"
+    if "\0" in patch:
+        return "the patch holds a NUL byte"
+    return None
 
-    @staticmethod
-    def _script_tar(script: str) -> bytes:
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            info = tarfile.TarInfo(f"{WORK.lstrip('/')}-script.sh")
-            info.size, info.mode = len(script.encode()), 0o700
-            tar.addfile(info, io.BytesIO(script.encode()))
-        return buf.getvalue()
 
-    def _run_streamed(self, box: Sandbox, task: TaskRow, script: str, timeout: float) -> ExecResult:
-        stdin = self._testbed_tar(task) + self._script_tar(script)
-        res = box.exec(["sh", "-c", _UNPACK], timeout=timeout, stdin=stdin)  # type: ignore[call-arg]
-        if res.exit_code in (125, 126, 127) and not box.alive():
-            raise GradingInfraError(f"the grading container is gone (exit {res.exit_code})")
-        return res
-
-    def _run_fresh(self, task: TaskRow, spec: SandboxSpec, files: dict[str, str], timeout: float) -> ExecResult:
-        """The whole grade in one fresh container: testbed + ``WORK/<name>`` files (``script.sh``
-        among them) on stdin; the container is removed when it is done."""
-        assert self._run_once is not None
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for name, text in files.items():
-                data = text.encode()
-                info = tarfile.TarInfo(f"{WORK.lstrip('/')}/{name}")
-                info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
-                tar.addfile(info, io.BytesIO(data))
-        stdin = self._testbed_tar(task) + buf.getvalue()
-        res = self._run_once(spec, ["sh", "-c", _UNPACK_FRESH], stdin=stdin, timeout=timeout)
-        if res.exit_code == 125 and END_MARKER not in res.output:  # podman's own failure
-            last = res.output.strip().splitlines()[-1:] or [""]
-            raise GradingInfraError(f"podman could not run the grading container: {last[0][:300]}")
-        return res
-
-    def _prepare(self, box: Sandbox, task: TaskRow) -> None:
-        from legorl.sandbox.testbed import install_testbed, strip_history
-
-        if task.repo_source:
-            ref = task.repo_ref or task.base_commit
-            assert ref is not None  # the importer requires one of them
-            install_testbed(box, task.repo_source, ref)
-        else:
-            strip_history(box)
-
-    @staticmethod
-    def _run(box: Sandbox, script: str, timeout: float) -> ExecResult:
-        box.put_file(f"{WORK}-script.sh", script.encode(), 0o700)
-        res = box.exec(f"bash {WORK}-script.sh", timeout=timeout)
-        if res.exit_code in (125, 126, 127) and not box.alive():
-            raise GradingInfraError(f"the grading container is gone (exit {res.exit_code})")
-        return res
-
-    def _applied(self, out: GradeRow, text: str, task: TaskRow, log: list[str]) -> bool:
-        """Record how the patch went in; False (and a zero grade) when it did not."""
-        for line in text.splitlines():
-            if line.startswith(APPLIED + " ("):
-                out.apply_method = line[len(APPLIED) + 2 : -1]
-                return True
-        out.log = "\n".join(log)
-        if APPLY_FAILED in text:
-            self._zero(out, GradeStatus.PATCH_APPLY_FAILED, "the patch did not apply by any method", task)
-            return False
-        raise GradingInfraError("the grading script stopped before the patch was applied")
-
-    def _changed_configs(self, box: Sandbox, paths: list[str]) -> list[str]:
-        """Restore the shared config files whose pytest section differs from the original."""
-        changed = []
-        for path in dict.fromkeys(paths):
-            q = shlex.quote(path)
-            res = box.exec(f"cd /testbed && git show HEAD:{q} 2>/dev/null | base64 -w0; echo; "
-                           f"test -f {q} && base64 -w0 {q}; echo", timeout=60)
-            parts = [*res.output.split("\n"), "", ""][:2]
-            old, new = (base64.b64decode(p).decode(errors="replace") if p.strip() else None for p in parts)
-            name = PurePosixPath(path).name
-            if pytest_section(name, old) != pytest_section(name, new):
-                restore = (f"git checkout -q HEAD -- {q}" if old is not None else f"rm -f -- {q}")
-                res = box.exec(f"cd /testbed && {restore}", timeout=60)
-                if res.exit_code != 0:
-                    raise GradingInfraError(f"cannot restore {path}: {res.output.strip()[-200:]}")
-                changed.append(path)
-        return changed
-
-    def _judge(self, out: GradeRow, text: str, parse: Callable[[str], TestStatuses], task: TaskRow) -> None:
-        parts = split_log(text)
-        statuses = parse(parts.output)
-        runner_missing = parts.exit_code in (126, 127) or (
-            "No module named pytest" in parts.output and "test session starts" not in parts.output)
-        if not statuses and runner_missing:
-            raise GradingInfraError(f"the test command could not start in {self.image_for(task)} "
-                                    f"(exit {parts.exit_code}): {parts.output.strip()[-200:]}")
-        usage_error = parts.exit_code == 4 and "usage:" in parts.output and "error:" in parts.output
-        if not statuses and usage_error and (task.log_parser or "pytest") == "pytest":
-            # pytest's usage error: the command or the repository's own config asks for something
-            # the image lacks (a plugin's option, say). The patch cannot cause it (config edits
-            # are dropped), so it is the task's environment that is broken.
-            last = parts.output.strip().splitlines()[-1:] or [""]
-            raise GradingInfraError(f"pytest usage error (exit 4) for task {task.instance_id}: {last[0][:200]}; "
-                                    "set the task's test_command")
-        report = evaluate(statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS)
-        out.tests = report.tests
-        if TIMED_OUT in text:
-            self._zero(out, GradeStatus.TEST_TIMEOUT, f"the tests ran past {self.options.test_timeout:g} s", task)
-            out.tests = report.tests
-            return
-        if contradicts_exit_code(statuses, parts.exit_code):
-            out.reward, out.resolved, out.resolution = 0.0, False, Resolution.NO
-            out.error = f"test command exited {parts.exit_code} but its log reports no failing test"
-            return
-        out.reward, out.resolved, out.resolution = report.reward, report.resolved, report.resolution
+def _before_patch_error(run: Run) -> str:
+    """Why a grading container failed before the patch went in (infrastructure by construction)."""
+    if "infra" in run.events:
+        return run.events["infra"] or "the grading container could not be prepared"
+    res = run.result
+    if res.timed_out:
+        return f"the grading container did not get to the patch in {res.duration_s:.0f} s"
+    last = res.output.strip().splitlines()[-1:] or [""]
+    return f"the grading container failed before the patch was applied (exit {res.exit_code}): {last[0][:300]}"

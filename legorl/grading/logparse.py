@@ -37,9 +37,9 @@ START_MARKER = ">>>>> Start Test Output"
 END_MARKER = ">>>>> End Test Output"
 EXIT_CODE_MARKER = ">>>>> Test Exit Code"
 
-STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")
+STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")
 # Worse statuses win when a test is reported more than once.
-SEVERITY = {"PASSED": 0, "XFAIL": 1, "SKIPPED": 2, "FAILED": 3, "ERROR": 4}
+SEVERITY = {"PASSED": 0, "XPASS": 1, "XFAIL": 1, "SKIPPED": 2, "FAILED": 3, "ERROR": 4}
 
 _EXIT_RE = re.compile(rf"^{re.escape(EXIT_CODE_MARKER)}:\s*(-?\d+)\s*$", re.M)
 _SKIP_COUNT = re.compile(r"^\[\d+\]$")
@@ -56,6 +56,16 @@ class TestStatuses:
 
     def __bool__(self) -> bool:
         return bool(self.full)
+
+    @classmethod
+    def from_map(cls, statuses: dict[str, str]) -> TestStatuses:
+        """From full test ids (a runner report), with SWE-bench's truncated keys beside them."""
+        out = cls(full=dict(statuses))
+        for name, status in statuses.items():
+            words = name.split()
+            if words:
+                out.truncated.setdefault(words[0], status)
+        return out
 
     def status(self, name: str) -> str | None:
         """The status of a listed test name, or None when the log does not mention it."""

@@ -1,11 +1,19 @@
-"""Per-test verdicts and the FULL / PARTIAL / NO resolution, by SWE-bench's rules.
+"""Per-test verdicts and the FULL / PARTIAL / NO resolution: SWE-bench's rules, judged against the gold run.
 
-- A FAIL_TO_PASS test passes when it is PASSED or XFAIL; missing, FAILED, ERROR and SKIPPED fail
-  (a patch that makes every F2P test skip must not resolve the task).
-- A PASS_TO_PASS test is maintained when it is PASSED, XFAIL or SKIPPED.
-- FULL iff every F2P test passes and every P2P test is maintained (an empty list counts as all);
-  PARTIAL iff some but not all F2P tests pass and every P2P test is maintained; NO otherwise.
-  Only FULL is "resolved", and the reward is 1.0 for FULL, 0.0 otherwise.
+SWE-bench counts XFAIL as a pass and SKIPPED as a maintained PASS_TO_PASS test, so a patch that
+makes the code under test call ``pytest.xfail()`` or ``pytest.skip()`` would resolve a task. legorl
+judges each test against the status the task's **gold patch** reaches in the same grader (the
+task's ``gold_statuses``, or a gold run the grader makes once):
+
+- a FAIL_TO_PASS test passes when it reaches the gold status: PASSED where gold PASSED (the usual
+  case), XFAIL only where gold gives XFAIL;
+- a PASS_TO_PASS test is maintained when it reaches the gold status (SKIPPED where gold skips it,
+  PASSED also counts there);
+- without a reference both must be PASSED — stricter than SWE-bench, never looser.
+
+FULL iff every F2P test passes and every P2P test is maintained (an empty list counts as all);
+PARTIAL iff some but not all F2P tests pass and every P2P test is maintained; NO otherwise. Only
+FULL is "resolved", and the reward is 1.0 for FULL, 0.0 otherwise.
 """
 
 from __future__ import annotations
@@ -20,8 +28,15 @@ F2P = "FAIL_TO_PASS"
 P2P = "PASS_TO_PASS"
 MISSING = "MISSING"
 
-_PASSING = frozenset({"PASSED", "XFAIL"})
-_MAINTAINED = frozenset({"PASSED", "XFAIL", "SKIPPED"})
+
+
+def reaches(status: str, gold: str | None, kind: str) -> bool:
+    """Whether a test's ``status`` reaches the ``gold`` run's status for it."""
+    if gold in (None, "PASSED", MISSING):
+        return status == "PASSED"
+    if gold == "SKIPPED" and kind == P2P:
+        return status in ("SKIPPED", "PASSED")
+    return status == gold
 
 
 @dataclass
@@ -58,13 +73,15 @@ def resolution_of(f2p: tuple[int, int], p2p: tuple[int, int]) -> Resolution:
     return Resolution.NO
 
 
-def evaluate(statuses: TestStatuses, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]) -> TestReport:
-    """Judge every listed test against the statuses a log reported."""
+def evaluate(statuses: TestStatuses, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str],
+             reference: TestStatuses | None = None) -> TestReport:
+    """Judge every listed test against the statuses a run reported and the gold run's (``reference``)."""
     tests: list[TestResult] = []
-    for kind, names, ok in ((F2P, fail_to_pass, _PASSING), (P2P, pass_to_pass, _MAINTAINED)):
+    for kind, names in ((F2P, fail_to_pass), (P2P, pass_to_pass)):
         for name in names:
             status = statuses.status(name) or MISSING
-            tests.append(TestResult(name=name, kind=kind, status=status, passed=status in ok))
+            gold = reference.status(name) if reference is not None else None
+            tests.append(TestResult(name=name, kind=kind, status=status, passed=reaches(status, gold, kind)))
     report = TestReport(tests, Resolution.NO)
     report.resolution = resolution_of(report.counts(F2P), report.counts(P2P))
     return report

@@ -38,7 +38,7 @@ from legorl.schemas import Kind, TaskRow
 STRING_FIELDS = (
     "repo", "base_commit", "patch", "test_patch", "problem_statement", "hints_text", "created_at",
     "version", "environment_setup_commit", "image", "repo_source", "repo_ref", "test_command",
-    "log_parser",
+    "log_parser", "gold_statuses",
 )
 ALIASES = {"image_name": "image"}  # SWE-smith names its image column differently
 LOCAL_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -220,6 +220,14 @@ def normalize(raw: Mapping[str, Any], index: int, base_dir: Path, source: object
         raise err("test_command", "empty")
     if values["log_parser"] and values["log_parser"] not in PARSERS:
         raise err("log_parser", f"unknown parser {values['log_parser']!r} (known: {', '.join(sorted(PARSERS))})")
+    if values["gold_statuses"]:
+        try:
+            statuses = json.loads(values["gold_statuses"])
+        except json.JSONDecodeError as exc:
+            raise err("gold_statuses", f"not JSON ({exc.msg})") from None
+        if not isinstance(statuses, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in statuses.items()):
+            raise err("gold_statuses", "expected a JSON object of test id -> status")
     if values["repo_source"]:
         src = Path(values["repo_source"]).expanduser()
         src = src if src.is_absolute() else base_dir / src

@@ -1,0 +1,122 @@
+"""Run pytest so that the repository under test cannot change how it runs or what it reports.
+
+Runs inside the grading container as the unprivileged test user, with ``python3 -I`` (no
+``PYTHONPATH``, no user site, the script's and the working folder not on ``sys.path``), from a
+read-only folder outside the tree. In order:
+
+1. it reads the per-grade report nonce from stdin (never in argv or the environment);
+2. it imports pytest, every ``_pytest`` module and pytest's dependencies, and loads the plugins the
+   *image* installs (``pytest11`` entry points) — all before the repository is importable, so no
+   module in the tree can stand in for any of them;
+3. it turns plugin autoload off (a ``*.dist-info`` in the tree cannot add one), then puts the
+   working folder and ``PYTHONPATH``'s folders at the front of ``sys.path`` as ``python -m pytest``
+   would;
+4. it runs ``pytest.main`` with a recorder plugin that takes each test's status from pytest's own
+   reports and writes them, with the nonce and pytest's exit status, to the report file when the
+   session ends. The grading script, not this process, then reads the file and checks the exit
+   status it saw against the one reported.
+
+Usage: ``python3 -I runner.py REPORT_PATH [pytest args...] < nonce``. Python 3.8+.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+SEVERITY = {"PASSED": 0, "XPASS": 1, "XFAIL": 1, "SKIPPED": 2, "FAILED": 3, "ERROR": 4}
+PRELOAD = ("argparse", "doctest", "pdb", "unittest", "unittest.mock", "tempfile", "shutil", "json", "logging",
+           "faulthandler", "warnings", "inspect", "traceback", "difflib", "pprint", "textwrap", "fnmatch", "glob",
+           "importlib.metadata", "importlib.util", "pkgutil", "zipfile", "tarfile", "decimal", "fractions")
+
+
+def _preload() -> list[object]:
+    import contextlib
+    import importlib
+    import pkgutil
+    from importlib import metadata
+
+    import _pytest
+    import pytest  # noqa: F401
+
+    for name in PRELOAD:  # an image without one of them is fine
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    for info in pkgutil.walk_packages(_pytest.__path__, "_pytest."):  # optional parts may not import
+        with contextlib.suppress(Exception):
+            importlib.import_module(info.name)
+    eps: Any = metadata.entry_points()
+    group = eps.select(group="pytest11") if hasattr(eps, "select") else eps.get("pytest11", [])
+    plugins: list[object] = []
+    for ep in group:  # a broken plugin in the image is the image's business
+        with contextlib.suppress(Exception):
+            plugins.append(ep.load())
+    return plugins
+
+
+def status_of(report: object) -> str | None:
+    """pytest's ``-rA`` word for one phase report (None: a passing setup/teardown says nothing)."""
+    when = getattr(report, "when", "call")
+    xfail = hasattr(report, "wasxfail")
+    if getattr(report, "failed", False):
+        return "FAILED" if when == "call" else "ERROR"
+    if getattr(report, "skipped", False):
+        return "XFAIL" if xfail else "SKIPPED"
+    if when == "call":
+        return "XPASS" if xfail else "PASSED"
+    return None
+
+
+class Recorder:
+    def __init__(self, nonce: str, path: str) -> None:
+        self.nonce, self.path = nonce, path
+        self.statuses: dict[str, str] = {}
+        self.collect_errors = 0
+        self.collected = 0
+
+    def pytest_collectreport(self, report: object) -> None:
+        if getattr(report, "failed", False):
+            self.collect_errors += 1
+
+    def pytest_collection_modifyitems(self, items: list[object]) -> None:
+        self.collected = len(items)
+
+    def pytest_runtest_logreport(self, report: object) -> None:
+        status = status_of(report)
+        if status is None:
+            return
+        nodeid = str(getattr(report, "nodeid", ""))
+        old = self.statuses.get(nodeid)
+        if old is None or SEVERITY[status] >= SEVERITY[old]:
+            self.statuses[nodeid] = status
+
+    def pytest_sessionfinish(self, session: object, exitstatus: object) -> None:
+        data = {"nonce": self.nonce, "exitstatus": int(exitstatus),  # type: ignore[call-overload]
+                "collected": self.collected, "collect_errors": self.collect_errors, "statuses": self.statuses}
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+
+
+def main() -> None:
+    report_path, args = sys.argv[1], sys.argv[2:]
+    nonce = sys.stdin.readline().strip()
+    sys.stdin.close()
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - the test run's stdin, as `</dev/null` gives it
+    plugins = _preload()
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    os.environ.pop("PYTEST_PLUGINS", None)
+    os.environ.pop("PYTEST_ADDOPTS", None)
+    extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[0:0] = [os.getcwd(), *extra]
+    import pytest
+
+    code = pytest.main(args, plugins=[Recorder(nonce, report_path), *plugins])
+    sys.stdout.flush()
+    sys.exit(int(code))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""The grading container's script, and how its output is read back.
+
+One fresh container per grade runs :func:`grading_script` as root (network off; for tasks built
+from a ``repo_source`` the image's filesystem is read-only and ``/testbed`` and ``/tmp`` are
+size-capped tmpfs mounts, so nothing in it can fill the host's disk):
+
+1. ``/testbed/.git`` is moved out of the tree and a pristine copy of the tree is taken;
+2. the patch is applied as an unprivileged user (``git apply``, then ``--reject``, then GNU
+   ``patch --fuzz=5``, the tree put back between tries), whose processes are then all killed;
+3. :mod:`legorl.grading.sandboxed.judge` (root, ``python3 -I``) compares the tree with the pristine
+   copy and undoes what a candidate patch may not change;
+4. the hidden tests go in (root applies ``test_patch``), ``.git`` comes back, and the tests run as
+   the unprivileged user through :mod:`legorl.grading.sandboxed.runner`; afterwards every process
+   of that user is killed and root reads the runner's report file.
+
+What the host learns comes from **event lines** ``@@legorl <nonce> <event> [data]``. The nonce is
+drawn per grade and lives only in the script, which sits in a root-only folder, so code under test
+(another user) cannot print an event: what the test output says about itself never counts.
+SWE-bench's markers are printed too, so its tools can read the log.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import re
+import secrets
+import shlex
+import tarfile
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+
+WORK = "/tmp/.legorl-grade"  # root-only (0700): the script, its inputs, the pristine copy
+RUNNER_DIR = "/tmp/.legorl-runner"  # root-owned, readable: the runner the test user runs
+REPORT = "/tmp/.legorl-report/report.json"
+TEST_UID = 1777
+APPLY_TIMEOUT_S = 120  # per apply method: a patch that stalls an applier simply does not apply
+MAX_TEST_OUTPUT = 20_000_000  # bytes of test output that reach the host; the rest is cut
+START_MARKER = ">>>>> Start Test Output"  # SWE-bench's markers, for its tools
+END_MARKER = ">>>>> End Test Output"
+EXIT_CODE_MARKER = ">>>>> Test Exit Code"
+APPLY_METHODS = (
+    ("git apply", "git apply -v {f}"),
+    ("git apply --reject", "git apply -v --reject {f}"),
+    ("patch --fuzz=5", "patch --batch --forward --fuzz=5 -p1 -i {f}"),
+)
+PYTHON_RE = re.compile(r"^(?:.*/)?python(?:3(?:\.\d+)?)?$")
+ASSIGN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+SHELL_CHARS = frozenset(";&|<>()`$\n")
+
+
+@dataclass
+class PytestCommand:
+    """A test command of the plain shape ``[VAR=value ...] [python[3] -m] pytest ARGS``."""
+
+    env: list[str]
+    python: str
+    args: list[str]
+
+
+def parse_pytest_command(command: str) -> PytestCommand | None:
+    """The command's parts when it is a plain pytest run (else None: it runs as a shell command)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    if any(ch in command for ch in SHELL_CHARS - {"$"}) or "$(" in command or "`" in command:
+        return None
+    env = []
+    while words and ASSIGN_RE.match(words[0]):
+        env.append(words.pop(0))
+    if len(words) >= 3 and PYTHON_RE.match(words[0]) and words[1] == "-m" and words[2] in ("pytest", "py.test"):
+        return PytestCommand(env, words[0], words[3:])
+    if words and words[0] in ("pytest", "py.test"):
+        return PytestCommand(env, "python3", words[1:])
+    return None
+
+
+def _sandboxed(name: str) -> str:
+    return resources.files("legorl.grading.sandboxed").joinpath(name).read_text()
+
+
+def grading_script(nonce: str, report_nonce: str, *, has_patch: bool, has_test_patch: bool, command: str,
+                   timeout: float) -> str:
+    """The whole grade as one bash script (root, in the container)."""
+    q = shlex.quote
+    pytest = parse_pytest_command(command)
+    if pytest is not None:
+        env = " ".join(q(e) for e in pytest.env)
+        run = (f"env HOME=/tmp/.legorl-home {env} {q(pytest.python)} -I {RUNNER_DIR}/runner.py {REPORT} "
+               + " ".join(q(a) for a in pytest.args))
+        mode = "runner"
+    else:
+        run = f"env HOME=/tmp/.legorl-home bash -c {q(command)}"
+        mode = "shell"
+    apply_block = ""
+    if has_patch:
+        tries = "\n".join(
+            f"  if [ -z \"$applied\" ]; then echo '>>>>> legorl: trying {name}'; "
+            f"if (cd /testbed && timeout -k 5 {APPLY_TIMEOUT_S} setpriv --reuid=$U --regid=$U --clear-groups "
+            f"{cmd.format(f='/tmp/.legorl-patch/patch.diff')}) 2>&1; "
+            f"then applied={q(name)}; else kill_user; reset_tree; fi; fi"
+            for name, cmd in APPLY_METHODS)
+        apply_block = f"""mkdir -p /tmp/.legorl-patch && cp $W/patch.diff /tmp/.legorl-patch/ && chmod 755 /tmp/.legorl-patch \\
+  && chmod 644 /tmp/.legorl-patch/patch.diff || {{ ev infra "cannot stage the patch"; exit 0; }}
+applied=
+{tries}
+kill_user
+rm -rf /tmp/.legorl-patch
+if [ -z "$applied" ]; then echo '>>>>> Patch Apply Failed'; ev apply_failed; exit 0; fi
+echo ">>>>> Applied Patch ($applied)"
+find /testbed -path /testbed/.git -prune -o \\( -name '*.rej' -o -name '*.orig' \\) -type f -newer $W/patch.diff -print0 \\
+  | xargs -0 -r rm -f --
+"""
+    test_patch_block = ""
+    if has_test_patch:
+        test_patch_block = ("(cd /testbed && git apply -v $W/test.diff) 2>&1 || "
+                            "{ echo '>>>>> Reset Failed'; ev test_patch_failed; exit 0; }\n")
+    return f"""#!/bin/bash
+# Generated by legorl: one grade, as root, in a fresh container (see legorl/grading/script.py).
+set -u
+N={q(nonce)}
+W={WORK}
+U={TEST_UID}
+ev() {{ printf '\\n@@legorl %s %s\\n' "$N" "$*"; }}
+as_user() {{ setpriv --reuid=$U --regid=$U --clear-groups "$@"; }}
+kill_user() {{ as_user bash -c 'kill -9 -1' >/dev/null 2>&1; true; }}
+reset_tree() {{ find /testbed -mindepth 1 -maxdepth 1 -exec rm -rf {{}} + && cp -a $W/pristine/. /testbed/ \\
+  && chown -R $U:$U /testbed; }}
+export HOME=/nonexistent GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_CEILING_DIRECTORIES=/ \\
+  GIT_TERMINAL_PROMPT=0 PYTHONDONTWRITEBYTECODE=1
+command -v setpriv >/dev/null || {{ ev infra "the image has no setpriv (util-linux)"; exit 0; }}
+PY=$(command -v python3 || command -v python) || {{ ev infra "the image has no python3"; exit 0; }}
+cd /testbed 2>/dev/null || {{ ev infra "the image has no /testbed"; exit 0; }}
+if [ -e /testbed/.git ]; then mv /testbed/.git $W/git || {{ ev infra "cannot move /testbed/.git"; exit 0; }}; fi
+cp -a /testbed $W/pristine && chown -R $U:$U /testbed || {{ ev infra "cannot copy the testbed"; exit 0; }}
+ev ready
+{apply_block}ev applied
+cd $W && J=$("$PY" -I $W/judge.py $W/judge.json 2>$W/judge.err); jc=$?
+if [ $jc -ne 0 ]; then ev judge_failed "$(tail -c 400 $W/judge.err | base64 -w0)"; exit 0; fi
+ev judged "$(printf %s "$J" | base64 -w0)"
+cd /testbed || exit 0
+{test_patch_block}if [ -d $W/git ]; then mv $W/git /testbed/.git; fi
+rm -rf $W/pristine
+chown -R $U:$U /testbed
+mkdir -p /tmp/.legorl-home /tmp/.legorl-report {RUNNER_DIR} && cp $W/runner.py {RUNNER_DIR}/ \\
+  && chmod 755 {RUNNER_DIR} && chmod 644 {RUNNER_DIR}/runner.py && chown $U:$U /tmp/.legorl-home /tmp/.legorl-report \\
+  && chmod 700 /tmp/.legorl-report || {{ ev infra "cannot prepare the test run"; exit 0; }}
+ev tests_start {mode}
+echo '{START_MARKER}'
+printf '%s\\n' {q(report_nonce)} | timeout -k 5 {timeout:g} setpriv --reuid=$U --regid=$U --clear-groups {run} 2>&1 \\
+  | head -c {MAX_TEST_OUTPUT}
+code=${{PIPESTATUS[1]}}
+kill_user
+echo
+echo '{END_MARKER}'
+ev tests_end "$code"
+if [ "$code" = 124 ] || [ "$code" = 137 ]; then echo '>>>>> Tests Timed Out'; fi
+echo "{EXIT_CODE_MARKER}: $code"
+R={REPORT}
+if [ -f "$R" ] && [ ! -L "$R" ]; then ev report "$(head -c 50000000 "$R" | base64 -w0)"; fi
+ev done
+"""
+
+
+def bundle(files: dict[str, str]) -> bytes:
+    """A tar of ``WORK/<name>`` files (WORK itself root-only), to follow the testbed on stdin."""
+    buf = io.BytesIO()
+    now = int(time.time())
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo(WORK.lstrip("/"))
+        info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o700, now
+        tar.addfile(info)
+        for name, text in files.items():
+            data = text.encode("utf-8", "surrogateescape")
+            info = tarfile.TarInfo(f"{WORK.lstrip('/')}/{name}")
+            info.size, info.mode, info.mtime = len(data), 0o700 if name.endswith(".sh") else 0o600, now
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str, timeout: float
+                ) -> tuple[dict[str, str], str, str]:
+    """The files of one grade (script, judge, runner, patches), and its two nonces."""
+    nonce, report_nonce = secrets.token_hex(16), secrets.token_hex(16)
+    script = grading_script(nonce, report_nonce, has_patch=bool(patch.strip()), has_test_patch=bool(test_patch.strip()),
+                            command=command, timeout=timeout)
+    files = {
+        "script.sh": script,
+        "judge.py": _sandboxed("judge.py"),
+        "runner.py": _sandboxed("runner.py"),
+        "judge.json": json.dumps({"tree": "/testbed", "pristine": f"{WORK}/pristine", "hidden": hidden}),
+        "patch.diff": patch,
+        "test.diff": test_patch,
+    }
+    return files, nonce, report_nonce
+
+
+@dataclass
+class Events:
+    """What the grading script said, by event name (only lines carrying this grade's nonce)."""
+
+    seen: dict[str, str] = field(default_factory=dict)
+    test_output: str = ""
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.seen
+
+    def data(self, name: str) -> str:
+        return self.seen.get(name, "")
+
+    def decoded(self, name: str) -> str:
+        try:
+            return base64.b64decode(self.data(name), validate=True).decode("utf-8", "replace")
+        except (binascii.Error, ValueError):
+            return ""
+
+
+def read_events(output: str, nonce: str) -> Events:
+    """Events of the grade whose nonce is ``nonce``, and the test output between tests_start and tests_end."""
+    prefix = f"@@legorl {nonce} "
+    events = Events()
+    lines = output.split("\n")
+    start = end = None
+    for i, line in enumerate(lines):
+        if not line.startswith(prefix):
+            continue
+        name, _, data = line[len(prefix):].partition(" ")
+        events.seen.setdefault(name, data.rstrip("\r"))
+        if name == "tests_start" and start is None:
+            start = i
+        elif name == "tests_end" and end is None:
+            end = i
+    if start is not None:
+        events.test_output = "\n".join(lines[start + 1: end if end is not None else len(lines)])
+    return events
