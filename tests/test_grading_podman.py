@@ -9,19 +9,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from legorl import shards
-from legorl.grading.grader import GradeOptions, Grader, apply_script, command_for, eval_script_for
-from legorl.grading.logparse import parse_pytest, split_log
+from legorl.grading.grader import GradeOptions, Grader
 from legorl.grading.patches import touched_paths
-from legorl.grading.report import evaluate
-from legorl.sandbox.base import Sandbox, SandboxSpec
-from legorl.schemas import GradeRow, Kind, Resolution, TaskRow
+from legorl.schemas import GradeRow, Kind, TaskRow
 
 pytestmark = pytest.mark.podman
 
@@ -159,24 +155,9 @@ def _attacks(task: TaskRow) -> dict[str, tuple[str, str]]:
     }
 
 
-def _unfiltered(task: TaskRow, patch: str, create: Callable[[SandboxSpec], Sandbox]) -> Resolution:
-    """The attack applied *without* legorl's filtering, to prove it is a real attack."""
-    from legorl.sandbox.host import base_image
-    from legorl.sandbox.testbed import install_testbed
-
-    box = create(SandboxSpec(image=base_image(), labels={"role": "test"}))
-    try:
-        install_testbed(box, task.repo_source or "", task.base_commit or "")
-        script = apply_script(patch) + eval_script_for(task, touched_paths(task.test_patch), command_for(task), 120)
-        box.put_file("/tmp/unfiltered.sh", script.encode())
-        res = box.exec("bash /tmp/unfiltered.sh", timeout=300)
-        return evaluate(parse_pytest(split_log(res.output).output), task.FAIL_TO_PASS, task.PASS_TO_PASS).resolution
-    finally:
-        box.remove()
-
-
 def test_adversarial_patches_never_score(base_image: str, shipped: dict[str, TaskRow], tmp_path: Path) -> None:
-    """Each attack on a src-layout task (cachetools): real when unfiltered, worthless when graded."""
+    """Each attack on a src-layout task (cachetools) is undone on the tree and scores 0, never infra.
+    (tests/test_grading_attacks.py is the red team's wider suite.)"""
     from legorl.sandbox.podman import PodmanBackend
 
     (iid,) = [i for i in sorted(shipped) if i.startswith("cachetools__")][:1]
@@ -184,10 +165,7 @@ def test_adversarial_patches_never_score(base_image: str, shipped: dict[str, Tas
     # addopts neutralised by the task's own `-o addopts=` would hide the config attacks; grade a
     # variant that runs plain pytest so they would work if they got through
     task.test_command = (task.test_command or "").replace("-o addopts= ", "")
-    create = PodmanBackend().create
-    grader = Grader(GradeOptions(test_timeout=120), create)
-    for name in ("conftest", "sitecustomize", "tox.ini pytest section"):
-        assert _unfiltered(task, _attacks(task)[name][0], create) == Resolution.FULL, f"{name} is no real attack"
+    grader = Grader(GradeOptions(test_timeout=120), PodmanBackend().create)
     for name, (patch, dropped) in _attacks(task).items():
         row = grader.grade(task, patch, f"attack/{name}")
         assert row.reward == 0.0, f"{name}: {row.status} {row.error}"

@@ -1,38 +1,17 @@
-"""Unified diffs, file by file: split a patch, and drop what a candidate patch may not touch.
+"""Unified diffs, file by file: split a patch (git-style or plain) and list the paths it touches.
 
-Grading takes only the agent's patch and never trusts it. Before it is applied, edits to these
-paths are dropped (and recorded on the grade row):
-
-- the hidden test files (every path the task's ``test_patch`` touches), and ``__init__.py`` in
-  their folders;
-- test infrastructure anywhere in the tree: ``conftest.py``; ``pytest.ini`` / ``.pytest.ini`` /
-  ``pytest.toml``; ``sitecustomize.py`` / ``usercustomize.py``; ``*.pth``; compiled bytecode
-  (``*.pyc``, ``*.pyo``, ``__pycache__/``: an unchecked-hash ``.pyc`` would run instead of a hidden
-  helper's source); top-level modules that would shadow the test runner (``pytest``, ``_pytest``,
-  ``pluggy``, ``py``);
-- unsafe paths (absolute, ``..``, inside ``.git``).
-
-``tox.ini``, ``setup.cfg`` and ``pyproject.toml`` hold other things besides pytest's settings, so
-they are judged after the patch is applied: when their pytest section (``[pytest]``,
-``[tool:pytest]``, ``[tool.pytest...]``) differs from the original, the file is restored
-(:func:`pytest_section`).
+Grading never trusts what a diff says it touches — it judges the tree after applying
+(:mod:`legorl.grading.sandboxed.judge`); this module serves the host's bookkeeping: which files a
+task's ``test_patch`` holds (the hidden tests), and task import checks.
 """
 
 from __future__ import annotations
 
-import configparser
 import re
-import tomllib
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from dataclasses import dataclass
 
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
-SITE_HOOKS = frozenset({"sitecustomize.py", "usercustomize.py"})
-PYTEST_CONFIGS = frozenset({"pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml"})
-SHARED_CONFIGS = frozenset({"tox.ini", "setup.cfg", "pyproject.toml"})
-RUNNER_MODULES = frozenset({"pytest", "pytest.py", "_pytest", "pluggy", "pluggy.py", "py", "py.py"})
 
 
 @dataclass
@@ -46,13 +25,6 @@ class FilePatch:
     @property
     def paths(self) -> list[str]:
         return [p for p in dict.fromkeys([self.old_path, self.new_path]) if p]
-
-
-@dataclass
-class FilteredPatch:
-    patch: str
-    kept: list[FilePatch] = field(default_factory=list)
-    dropped: dict[str, str] = field(default_factory=dict)  # path -> why
 
 
 def _unquote(raw: str) -> str:
@@ -170,71 +142,3 @@ def touched_paths(patch: str | None) -> list[str]:
         for p in fp.paths:
             out[p] = None
     return list(out)
-
-
-def drop_reason(path: str, hidden: frozenset[str], hidden_dirs: frozenset[str]) -> str | None:
-    """Why an edit to ``path`` may not reach the graded tree, or None when it may."""
-    pure = PurePosixPath(path)
-    if pure.is_absolute() or ".." in pure.parts or ".git" in pure.parts:
-        return "unsafe path"
-    if path in hidden:
-        return "hidden test file"
-    name = pure.name
-    if name == "conftest.py":
-        return "conftest.py"
-    if name in SITE_HOOKS:
-        return "interpreter hook"
-    if name.endswith(".pth"):
-        return ".pth file"
-    if name.endswith((".pyc", ".pyo")) or "__pycache__" in pure.parts:
-        return "compiled bytecode"
-    if name in PYTEST_CONFIGS:
-        return "pytest config"
-    if pure.parts and pure.parts[0] in RUNNER_MODULES:
-        return "shadows the test runner"
-    if name == "__init__.py" and str(pure.parent) in hidden_dirs:
-        return "test package __init__"
-    return None
-
-
-def filter_patch(patch: str | None, hidden_paths: Iterable[str]) -> FilteredPatch:
-    """Drop the per-file parts of ``patch`` that touch hidden tests or test infrastructure."""
-    hidden = frozenset(hidden_paths)
-    hidden_dirs = frozenset(str(PurePosixPath(p).parent) for p in hidden)
-    out = FilteredPatch(patch="")
-    for fp in split_patch(patch or ""):
-        reasons = [(p, r) for p in fp.paths if (r := drop_reason(p, hidden, hidden_dirs))]
-        if reasons:
-            for p in fp.paths:
-                out.dropped[p] = reasons[0][1]
-        else:
-            out.kept.append(fp)
-    out.patch = "".join(fp.text if fp.text.endswith("\n") else fp.text + "\n" for fp in out.kept)
-    return out
-
-
-def shared_configs(files: Iterable[FilePatch]) -> list[str]:
-    """Paths among ``files`` that may hold a pytest section (judged after applying)."""
-    return [p for fp in files for p in fp.paths if PurePosixPath(p).name in SHARED_CONFIGS]
-
-
-def pytest_section(name: str, text: str | None) -> object:
-    """The pytest settings a config file holds (comparable with ==), or a marker when unparsable.
-
-    ``name`` is the file's base name: ``tox.ini`` -> ``[pytest]``, ``setup.cfg`` ->
-    ``[tool:pytest]``, ``pyproject.toml`` -> ``[tool.pytest...]``.
-    """
-    if text is None:
-        return None
-    if name == "pyproject.toml":
-        try:
-            return tomllib.loads(text).get("tool", {}).get("pytest")
-        except tomllib.TOMLDecodeError:
-            return ("<unparsable>", text)
-    section = "pytest" if name == "tox.ini" else "tool:pytest"
-    parser = configparser.ConfigParser(interpolation=None, strict=False)
-    try:
-        parser.read_string(text)
-    except configparser.Error:
-        return ("<unparsable>", text)
-    return dict(parser.items(section)) if parser.has_section(section) else None

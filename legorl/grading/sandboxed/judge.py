@@ -174,6 +174,8 @@ class Rules:
             return "test file"
         if was is None and kind is not None and self._top_level(rel):
             mod = module_name(name, kind)
+            if kind == "d" and not any(p.startswith(rel + "/") and p.endswith(MODULE_SUFFIXES) for p in self.now):
+                mod = None  # a folder with no Python in it imports nothing
             if mod is not None:
                 return f"shadows the module {mod!r}" if mod in self.names else "new module outside any package"
         return None

@@ -1,0 +1,149 @@
+"""The in-container judge's rules, run on real folders on the host (it is plain Python, no container needed).
+
+The judge compares a patched tree with its pristine copy and puts back what a candidate patch may
+not change; each case here is one rule of docs/threat-model.md, with an honest edit beside it that
+must survive untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from legorl.grading.sandboxed import judge as judge_mod
+
+PRISTINE = {
+    "src/pkg/__init__.py": "from .core import add\n",
+    "src/pkg/core.py": "import re\n\ndef add(a, b):\n    return a - b\n",
+    "tests/__init__.py": "",
+    "tests/helpers.py": "def check(x):\n    assert x\n",
+    "tests/test_core.py": "from pkg import add\n\ndef test_add():\n    assert add(1, 2) == 3\n",
+    "tox.ini": "[tox]\nenvlist = py3\n",
+    "pyproject.toml": "[project]\nname = 'pkg'\n",
+    "README.md": "pkg\n",
+}
+HIDDEN = ["tests/test_core.py", "tests/test_new.py"]
+
+
+@pytest.fixture()
+def trees(tmp_path: Path) -> tuple[Path, Path]:
+    pristine, tree = tmp_path / "pristine", tmp_path / "testbed"
+    for rel, text in PRISTINE.items():
+        (pristine / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pristine / rel).write_text(text)
+    shutil.copytree(pristine, tree, symlinks=True)
+    return pristine, tree
+
+
+def _write(tree: Path, rel: str, text: str) -> None:
+    (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tree / rel).write_text(text)
+
+
+def _judge(pristine: Path, tree: Path) -> dict[str, object]:
+    return judge_mod.judge(str(tree), str(pristine), HIDDEN)
+
+
+def _same(pristine: Path, tree: Path) -> None:
+    """Everything but the honest fix is as it was (an emptied new folder may stay)."""
+    now = judge_mod.scan(str(tree))
+    changed = judge_mod.changed_paths(str(tree), str(pristine), now, judge_mod.scan(str(pristine)))
+    assert [p for p in changed if now.get(p, ("",))[0] != "d"] == ["src/pkg/core.py"]
+
+
+FIX = "import re\n\ndef add(a, b):\n    return a + b\n"
+CASES = {
+    # rel -> (content, or a callable that makes the change; the reason the judge must give)
+    "tests/test_core.py": ("def test_add():\n    pass\n", "hidden test file"),
+    "tests/test_new.py": ("def test_x():\n    pass\n", "hidden test file"),
+    "tests/helpers.py": ("def check(x):\n    pass\n", "hidden test file"),
+    "conftest.py": ("import pytest\n", "test runner config"),
+    "src/pkg/conftest.py": ("import pytest\n", "test runner config"),
+    "tox.ini": ("[tox]\r[pytest]\raddopts = -p evil\r", "test runner config"),
+    "tests/sub/setup.cfg": ("[tool:pytest]\naddopts = -p evil\n", "hidden test file"),
+    "docs/setup.cfg": ("[tool:pytest]\naddopts = -p evil\n", "test runner config"),
+    "pyproject.toml": ("[tool.pytest.ini_options]\naddopts = '-p evil'\n", "test runner config"),
+    "src/sitecustomize.py": ("import os\n", "interpreter hook"),
+    "src/pkg/evil.pth": ("import os\n", "interpreter hook"),
+    "src/pkg/__pycache__/core.cpython-311.pyc": ("junk", "compiled bytecode"),
+    "src/evil-1.0.dist-info/entry_points.txt": ("[pytest11]\nevil = evil\n", "package metadata"),
+    "src/pluggy/__init__.py": ("", "shadows the module 'pluggy'"),
+    "src/json.py": ("", "shadows the module 'json'"),
+    "pytest.py": ("", "shadows the module 'pytest'"),
+    "helper_mod.py": ("import pytest\n", "new module outside any package"),
+    "src/pkg/test_util.py": ("import pytest\n", "test file"),
+    ".git/hooks/post-checkout": ("#!/bin/sh\n", "git metadata"),
+    "src/pkg/.git/config": ("[core]\n", "git metadata"),
+}
+
+
+@pytest.mark.parametrize("rel", sorted(CASES))
+def test_forbidden_change_is_put_back_and_the_fix_kept(trees: tuple[Path, Path], rel: str) -> None:
+    pristine, tree = trees
+    text, why = CASES[rel]
+    _write(tree, "src/pkg/core.py", FIX)
+    _write(tree, rel, text)
+    result = _judge(pristine, tree)
+    reset = dict(map(tuple, result["reset"]))  # type: ignore[call-overload]
+    assert any(rel == p or rel.startswith(p + "/") for p in reset), result
+    assert why in reset.values(), result
+    _same(pristine, tree)
+    assert (tree / "src/pkg/core.py").read_text() == FIX
+
+
+def test_symlinks_and_type_changes(trees: tuple[Path, Path], tmp_path: Path) -> None:
+    pristine, tree = trees
+    secret = tmp_path / "host-secret"
+    secret.write_text("secret")
+    os.symlink(str(secret), tree / "src/pkg/data.txt")  # new link out of the tree
+    os.unlink(tree / "README.md")
+    os.symlink("/proc/self/clear_refs", tree / "README.md")  # a file turned into a link
+    shutil.rmtree(tree / "tests")
+    os.symlink("/etc", tree / "tests")  # a hidden test's folder turned into a link
+    os.mkfifo(tree / "src/pkg/pipe")
+    _write(tree, "src/pkg/core.py", FIX)
+    result = _judge(pristine, tree)
+    reasons = dict(map(tuple, result["reset"]))  # type: ignore[call-overload]
+    assert reasons == {"README.md": "symbolic link", "src/pkg/data.txt": "symbolic link",
+                       "src/pkg/pipe": "special file", "tests": "hidden test file"}
+    _same(pristine, tree)
+    assert secret.read_text() == "secret"  # nothing was written through a link
+
+
+def test_honest_patch_is_left_alone(trees: tuple[Path, Path]) -> None:
+    pristine, tree = trees
+    _write(tree, "src/pkg/core.py", FIX + "\nPATTERN = re.compile(r'x')\n")
+    _write(tree, "src/pkg/extra.py", "def helper():\n    return 1\n")
+    _write(tree, "README.md", "pkg, fixed\n")
+    os.unlink(tree / "src/pkg/__init__.py")
+    _write(tree, "src/pkg/__init__.py", "from .core import add\nfrom .extra import helper\n")
+    result = _judge(pristine, tree)
+    assert result["reset"] == [] and result["suspicious"] == []
+    assert sorted(result["changed"]) == ["README.md", "src/pkg/__init__.py", "src/pkg/core.py",  # type: ignore[arg-type]
+                                         "src/pkg/extra.py"]
+
+
+@pytest.mark.parametrize("line", [
+    "import pytest", "import _pytest.reports", "__import__('py' + 'test')", "import importlib",
+    "sys.modules['x'] = y", "os._exit(0)", "os.write(1, b'PASSED')", "sys.settrace(f)", "import builtins",
+    "exec(code)", "eval(s)", "atexit.register(f)", "os.kill(os.getppid(), 9)", "x = sys._getframe(1).f_globals",
+    "().__class__.__subclasses__()", "if os.environ.get('PYTEST_CURRENT_TEST'):", "import ctypes",
+    "gc.get_objects()", "open('/proc/self/status')", "import subprocess",
+])
+def test_screen_flags_code_that_reaches_into_the_runner(trees: tuple[Path, Path], line: str) -> None:
+    pristine, tree = trees
+    _write(tree, "src/pkg/core.py", FIX + line + "\n")
+    result = _judge(pristine, tree)
+    assert result["reset"] == []
+    (finding,) = result["suspicious"]  # type: ignore[misc]
+    assert str(finding).startswith("src/pkg/core.py:5: ")
+
+
+def test_screen_sees_only_added_lines(trees: tuple[Path, Path]) -> None:
+    pristine, tree = trees
+    _write(pristine, "src/pkg/core.py", "import subprocess\n" + PRISTINE["src/pkg/core.py"])
+    _write(tree, "src/pkg/core.py", "import subprocess\n" + FIX + "# pytest is mentioned in a comment\n")
+    assert _judge(pristine, tree)["suspicious"] == []
