@@ -13,6 +13,7 @@ from legorl.grading.logparse import (
     END_MARKER,
     EXIT_CODE_MARKER,
     START_MARKER,
+    TestStatuses,
     contradicts_exit_code,
     parse_pytest,
     split_log,
@@ -133,7 +134,11 @@ CASES = [
 def test_verdicts_agree_with_swebench(real_log: str, f2p: list[str], p2p: list[str], tmp_path: Path) -> None:
     expected, status_map, found = _swebench_verdict(real_log, f2p, p2p, tmp_path)
     assert found
-    ours = evaluate(parse_pytest(split_log(real_log).output), f2p, p2p)
+    statuses = parse_pytest(split_log(real_log).output)
+    # An honest gold run: XFAIL / SKIPPED where the log has them, everything else passing. Judged
+    # against it, legorl reaches SWE-bench's verdict; without one it is stricter (next test).
+    gold = TestStatuses.from_map({k: v if v in ("XFAIL", "SKIPPED") else "PASSED" for k, v in statuses.full.items()})
+    ours = evaluate(statuses, f2p, p2p, gold)
     assert ours.resolution == expected
     # and the per-test statuses agree wherever SWE-bench's key is a full id
     for test in ours.tests:
@@ -145,8 +150,20 @@ def test_skipped_fail_to_pass_does_not_resolve() -> None:
     log = "SKIPPED tests/t.py::test_a\nPASSED tests/t.py::test_b\n"
     statuses = parse_pytest(log)
     assert evaluate(statuses, ["tests/t.py::test_a"], ["tests/t.py::test_b"]).resolution == Resolution.NO
-    # ...but a skipped PASS_TO_PASS test is maintained
-    assert evaluate(statuses, ["tests/t.py::test_b"], ["tests/t.py::test_a"]).resolution == Resolution.FULL
+    # a skipped PASS_TO_PASS test is maintained only where the gold run skips it too (SWE-bench: always)
+    gold = TestStatuses.from_map({"tests/t.py::test_a": "SKIPPED", "tests/t.py::test_b": "PASSED"})
+    assert evaluate(statuses, ["tests/t.py::test_b"], ["tests/t.py::test_a"], gold).resolution == Resolution.FULL
+    assert evaluate(statuses, ["tests/t.py::test_b"], ["tests/t.py::test_a"]).resolution == Resolution.NO
+
+
+def test_xfail_counts_only_where_the_gold_run_xfails() -> None:
+    """SWE-bench counts XFAIL as a pass, so code calling pytest.xfail() would resolve a task there."""
+    statuses = parse_pytest("XFAIL t.py::test_a - reason\nPASSED t.py::test_b\n")
+    assert evaluate(statuses, ["t.py::test_a"], ["t.py::test_b"]).resolution == Resolution.NO
+    passed = TestStatuses.from_map({"t.py::test_a": "PASSED", "t.py::test_b": "PASSED"})
+    assert evaluate(statuses, ["t.py::test_a"], ["t.py::test_b"], passed).resolution == Resolution.NO
+    xfail = TestStatuses.from_map({"t.py::test_a": "XFAIL", "t.py::test_b": "PASSED"})
+    assert evaluate(statuses, ["t.py::test_a"], ["t.py::test_b"], xfail).resolution == Resolution.FULL
 
 
 def test_partial_needs_pass_to_pass_intact() -> None:

@@ -260,24 +260,28 @@ class Grader:
         with self._lock:
             if key in self._references:
                 return self._references[key]
-        statuses = self.gold_statuses(task)
-        ref = TestStatuses.from_map(statuses) if statuses is not None else None
+        ref = TestStatuses.from_map(self.gold_statuses(task))
         with self._lock:
             self._references[key] = ref
         return ref
 
-    def gold_statuses(self, task: TaskRow) -> dict[str, str] | None:
-        """Grade the gold patch once and return every test's status (None when it does not run cleanly)."""
-        run, nonce = self._execute(task, task.patch or "")
+    def gold_statuses(self, task: TaskRow) -> dict[str, str]:
+        """Grade the gold patch once and return every test's status."""
+        statuses = self.statuses_for(task, task.patch or "", "gold patch")
+        with self._lock:
+            self._controls[self._task_key(task)] = (time.monotonic(), "")
+        return statuses
+
+    def statuses_for(self, task: TaskRow, patch: str, what: str = "patch") -> dict[str, str]:
+        """Every test's status with ``patch`` applied; GradingInfraError unless the run is clean."""
+        run, nonce = self._execute(task, patch)
         if "applied" not in run.events:
             if "apply_failed" in run.events:
-                raise GradingInfraError(f"task {task.instance_id}: its gold patch does not apply")
+                raise GradingInfraError(f"task {task.instance_id}: its {what} does not apply")
             raise GradingInfraError(_before_patch_error(run))
         failure = run.failure(nonce)
         if failure is not None:
-            raise GradingInfraError(f"task {task.instance_id}: its gold patch does not grade cleanly: {failure}")
-        with self._lock:
-            self._controls[self._task_key(task)] = (time.monotonic(), "")
+            raise GradingInfraError(f"task {task.instance_id}: its {what} does not grade cleanly: {failure}")
         return run.statuses(get_parser(task.log_parser)).full
 
     def _control(self, task: TaskRow) -> str | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import queue
 import shlex
@@ -39,7 +40,7 @@ from pathlib import Path
 
 from legorl.errors import LegorlError
 from legorl.grading.grader import GradeOptions, Grader
-from legorl.grading.logparse import parse_pytest, split_log
+from legorl.grading.logparse import parse_pytest
 from legorl.sandbox.base import Sandbox, SandboxSpec
 from legorl.schemas import TaskRow
 from legorl.tasks.mutate import Mutation, find_mutations, sample
@@ -390,21 +391,17 @@ def make_task(lib: Library, repo: Path, mined: Mined, work: Path) -> tuple[TaskR
     return task, ref
 
 
-def _statuses(row_log: str | None) -> dict[str, str]:
-    return parse_pytest(split_log(row_log or "").output).full
-
-
 def validate(task: TaskRow, grader: Grader) -> TaskRow | str:
-    """Fix FAIL_TO_PASS / PASS_TO_PASS from fresh runs without and with the gold patch, then check
-    gold -> 1 and empty -> 0. Returns the final row, or why the task was rejected."""
-    before = grader.grade(task, "")
-    after = grader.grade(task, task.patch)
-    for row in (before, after):
-        if row.infra_failure:
-            return f"grading failed: {row.error}"
-    b, a = _statuses(before.log), _statuses(after.log)
-    f2p = sorted(t for t, s in a.items() if s in _PASSING and b.get(t) not in _PASSING)
-    p2p = sorted(t for t, s in a.items() if s in _PASSING and b.get(t) in _PASSING)
+    """Fix FAIL_TO_PASS / PASS_TO_PASS (and the gold statuses they are judged against) from fresh
+    runs without and with the gold patch, then check gold -> 1 and empty -> 0. Returns the final
+    row, or why the task was rejected."""
+    try:
+        b = grader.statuses_for(task, "", "unpatched testbed")
+        a = grader.statuses_for(task, task.patch or "", "gold patch")
+    except LegorlError as exc:
+        return f"grading failed: {exc}"
+    f2p = sorted(t for t, s in a.items() if s == "PASSED" and b.get(t) != "PASSED")
+    p2p = sorted(t for t, s in a.items() if s == "PASSED" and b.get(t) == "PASSED")
     if not f2p:
         return "no test fails before and passes after the gold patch"
     if any(any(c.isspace() for c in t) for t in f2p + p2p):
@@ -412,6 +409,7 @@ def validate(task: TaskRow, grader: Grader) -> TaskRow | str:
         if any(any(c.isspace() for c in t) for t in f2p):
             return "a FAIL_TO_PASS id holds whitespace (SWE-bench's parser would truncate it)"
     task.FAIL_TO_PASS, task.PASS_TO_PASS = f2p, p2p
+    task.gold_statuses = json.dumps({t: a[t] for t in f2p + p2p}, sort_keys=True)
     gold, empty = grader.grade(task, task.patch), grader.grade(task, "")
     if gold.reward != 1.0:
         return f"gold patch scored {gold.reward} on a fresh run ({gold.status}: {gold.error})"
