@@ -250,3 +250,13 @@ def test_unseen_task_in_the_documented_format(base_image: str, tmp_path: Path) -
     assert noop.reward == 0.0 and noop.status == "graded"
     assert {t.name: t.status for t in noop.tests} == {"tests/test_clamp.py::test_mid": "FAILED",
                                                       "tests/test_clamp.py::test_low": "PASSED"}
+    # the task check (the builder's validate) derives the test lists and the gold statuses from fresh runs
+    from legorl.tasks.builder import validate
+
+    draft = TaskRow.from_dict({**task.to_dict(), "FAIL_TO_PASS": [], "PASS_TO_PASS": [], "gold_statuses": None})
+    checked = validate(draft, Grader(GradeOptions(test_timeout=120, run_empty=True)))
+    assert isinstance(checked, TaskRow), checked
+    assert (checked.FAIL_TO_PASS, checked.PASS_TO_PASS) == (["tests/test_clamp.py::test_mid"],
+                                                            ["tests/test_clamp.py::test_low"])
+    assert checked.gold_status_map() == {"tests/test_clamp.py::test_mid": "PASSED",
+                                         "tests/test_clamp.py::test_low": "PASSED"}
