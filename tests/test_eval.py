@@ -37,7 +37,8 @@ def _eval_run(tmp_path: Path, name: str = "run", seed: int = 0, steps: tuple[int
 
 
 def _hand_pass_at(run: Path, step: int, k: int, harness: str | None = None) -> tuple[float, int]:
-    """pass@k and infra count computed straight from the eval shards (not through the monitor)."""
+    """pass@k (unrecovered infrastructure failures as failed attempts) and the infra count, straight
+    from the eval shards (not through the monitor)."""
     trials = [t for t in shards.read_rows(run / "eval" / "rollouts", Kind.ROLLOUTS) if t.step == step]
     grades = {g.trial_id: g for g in shards.read_rows(run / "eval" / "grades", Kind.GRADES)}
     per: dict[tuple[str, str], list[int]] = {}
@@ -46,12 +47,13 @@ def _hand_pass_at(run: Path, step: int, k: int, harness: str | None = None) -> t
         if harness is not None and t.harness != harness:
             continue
         g = grades.get(t.trial_id)
-        if t.infra_failure or g is None or g.infra_failure:
-            infra += 1
-            continue
-        nc = per.setdefault((t.task_id, t.harness), [0, 0])
-        nc[0] += 1
-        nc[1] += int(bool(g.resolved))
+        if t.infra_failure or (g is not None and g.infra_failure):
+            infra += 1  # unrecovered: a failed attempt
+            per.setdefault((t.task_id, t.harness), [0, 0])[0] += 1
+        elif g is not None:
+            nc = per.setdefault((t.task_id, t.harness), [0, 0])
+            nc[0] += 1
+            nc[1] += int(bool(g.resolved))
     values = [pass_at_k(n, c, k) for n, c in per.values() if n >= k]
     return sum(values) / len(values), infra
 

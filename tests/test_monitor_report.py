@@ -37,15 +37,17 @@ def test_report_pass_at_k_matches_the_grades(run: Path) -> None:
     rd = RunDir.at(run)
     trials = {t.trial_id: t for t in shards.read_rows(rd.rollouts, Kind.ROLLOUTS) if t.step == 1}
     grades = {g.trial_id: g for g in shards.read_rows(rd.grades, Kind.GRADES) if g.trial_id in trials}
-    # recompute by hand: per (task, harness), n = usable graded attempts, c = resolved
+    # recompute by hand: per (task, harness), n = graded attempts with unrecovered infrastructure
+    # failures counted as failed ones, c = resolved; ungraded attempts are left out
     per: dict[tuple[str, str], list[bool]] = {}
     infra = 0
     for tid, t in trials.items():
         g = grades.get(tid)
-        if t.infra_failure or g is None or g.infra_failure:
+        if t.infra_failure or (g is not None and g.infra_failure):
             infra += 1
-            continue
-        per.setdefault((t.task_id, t.harness), []).append(bool(g.resolved))
+            per.setdefault((t.task_id, t.harness), []).append(False)
+        elif g is not None:
+            per.setdefault((t.task_id, t.harness), []).append(bool(g.resolved))
     for k in rep["ks"]:
         values = [pass_at_k(len(v), sum(v), k) for v in per.values() if len(v) >= k]
         assert rep["overall"]["pass_at"][str(k)] == pytest.approx(sum(values) / len(values), abs=1e-6)

@@ -4,8 +4,9 @@ For a problem attempted ``n`` times with ``c`` correct attempts, Chen et al. (20
 chance that at least one of ``k`` attempts drawn without replacement is correct as
 ``1 - C(n-c, k) / C(n, k)``, computed as the product ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` so that no
 huge binomial coefficient is ever formed. A table averages it over problems that have at least
-``k`` attempts. Attempts lost to infrastructure failures are neither correct nor incorrect: they
-are left out of ``n`` and counted apart; attempts not yet graded likewise.
+``k`` attempts. An attempt lost to an infrastructure failure that no retry recovered counts as
+an incorrect attempt (in ``n``, never in ``c``) and is also counted apart: a policy must not look
+better by landing its hard tasks in infrastructure failures. Attempts not yet graded are left out.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Problem:
     task_id: str
     harness: str
     repo: str
-    n: int = 0  # graded, non-infrastructure attempts
+    n: int = 0  # graded attempts, unrecovered infrastructure failures included (as incorrect)
     c: int = 0  # of which resolved
     infra: int = 0
     pending: int = 0  # not graded yet

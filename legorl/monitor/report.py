@@ -132,8 +132,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines.append(f"- models: {', '.join(report['models']) or 'unknown'}")
     lines.append(f"- steps: {', '.join(map(str, report['steps']))}")
     lines.append(f"- harnesses: {', '.join(report['harnesses'])}")
-    lines.append(f"- trials: {report['trials']} (infrastructure failures excluded: {report['infra_failures']}, "
-                 f"not graded yet: {report['pending']})")
+    lines.append(f"- trials: {report['trials']} (unrecovered infrastructure failures, counted as failed "
+                 f"attempts: {report['infra_failures']}; not graded yet: {report['pending']})")
     if base:
         lines.append(f"- baseline: {base['run']} (steps {', '.join(map(str, base['steps']))})")
     lines += ["", "## pass@k", ""]

@@ -154,6 +154,7 @@ def problems(snap: Snapshot, steps: Iterable[int] | None = None) -> list[Problem
         grade = snap.grades.get(tid)
         if snap.is_infra(trial) or (grade is not None and grade.status == GradeStatus.INFRA_ERROR):
             p.infra += 1
+            p.n += 1  # an incorrect attempt (passk's docstring says why)
         elif grade is None:
             p.pending += 1
         else:
