@@ -1,14 +1,19 @@
 """The rollout stage: tasks × harnesses × samples → one trial row each in ``rollouts/``.
 
-A trial is: a fresh sandbox with the task's repository at ``/testbed`` → a fresh proxy session →
-the harness, unmodified, against ``/sess/<id>/v1`` with the task's problem statement → the patch
-(``git diff`` of the working tree) → the sandbox removed → a row with what the proxy captured
-(segments, calls, conversation), the patch, the outcome and where the time went.
+A trial is: a fresh no-network sandbox with the task's repository at ``/testbed`` → a fresh proxy
+session (for a harness inside the container, served alone on a unix socket the container's relay
+reaches: :mod:`legorl.harnesses.channel`) → the harness, unmodified, against ``/sess/<id>/v1``
+with the task's problem statement → the patch (``git diff`` of the working tree) → the sandbox
+removed → a row with what the proxy captured (segments, calls, conversation), the patch, the
+outcome and where the time went.
 
-Infrastructure failures (the sandbox died, the engine failed, the harness never reached the model)
-are retried with backoff in a fresh sandbox and a fresh session; the failed attempt's tokens are
-dropped, never written as a trial. Rows are committed one per trial, so a killed run loses only the
-trials in flight, and a rerun does only what is missing (infra-failed rows are retried too).
+Infrastructure failures are decided only from what the agent cannot write: setting the trial up
+failed (before the harness starts), the proxy recorded an engine failure for the session, no
+output of the policy ever reached the harness, or legorl itself failed
+(:func:`legorl.harnesses.base.classify`). They are retried with backoff in a fresh sandbox and a
+fresh session; the failed attempt's tokens are dropped, never written as a trial. Rows are
+committed one per trial, so a killed run loses only the trials in flight, and a rerun does only
+what is missing (infra-failed rows are retried too).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +35,17 @@ from legorl import shards
 from legorl.engines.base import Engine, Generation, SamplingParams, TokenChunk
 from legorl.errors import LegorlError
 from legorl.harnesses import get as get_harness
-from legorl.harnesses.base import BaseHarness, ProxyView, TrialSpec, classify, kill_host_processes
+from legorl.harnesses.base import (
+    LOG_NAME,
+    BaseHarness,
+    End,
+    HarnessRun,
+    ProxyView,
+    TrialSpec,
+    classify,
+    kill_host_processes,
+)
+from legorl.harnesses.channel import ProxyChannel
 from legorl.harnesses.install import require
 from legorl.paths import RunDir
 from legorl.proxy.budgets import Budgets
@@ -68,6 +83,10 @@ class Capture:
     engine_errors: list[str] = field(default_factory=list)
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
 class ProxyHandle(Protocol):
     """The proxy as the stage uses it: in-process, or an external ``legorl serve-proxy``."""
 
@@ -75,7 +94,11 @@ class ProxyHandle(Protocol):
     context_tokens: int | None
 
     def new_session(self, budgets: Budgets, metadata: dict[str, Any]) -> tuple[str, str, str]:
-        """A fresh session: (id, OpenAI base URL, Anthropic base URL)."""
+        """A fresh session: (id, OpenAI base URL, Anthropic base URL), reachable from the host."""
+        ...
+
+    def serve_session(self, session_id: str, path: Path) -> Closable:
+        """Serve the session alone on a new unix socket at ``path`` (an in-container trial's one endpoint)."""
         ...
 
     def finish(self, session_id: str) -> Capture: ...
@@ -181,6 +204,9 @@ class InProcessProxy:
         sid = self.server.new_session(budgets, metadata)
         return sid, self.server.openai_base_url(sid), self.server.anthropic_base_url(sid)
 
+    def serve_session(self, session_id: str, path: Path) -> Closable:
+        return self.server.serve_session(session_id, path)
+
     def finish(self, session_id: str) -> Capture:
         cap = self.server.finish(session_id)
         if cap is None:
@@ -189,14 +215,22 @@ class InProcessProxy:
 
 
 class RemoteProxy:
-    """An external ``legorl serve-proxy`` at ``url``: sessions over its HTTP API."""
+    """An external ``legorl serve-proxy`` at ``url``: sessions over its HTTP API. A session's unix
+    socket is served here, in the rollout process, by a forwarder bound to that session
+    (:class:`~legorl.proxy.session_socket.SessionForwarder`) that relays its model routes to the
+    proxy's session URL over TCP."""
 
     def __init__(self, url: str, api_key: str | None = None):
         import httpx
 
         self.url = url.rstrip("/")
+        self.api_key = api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=60)
+        self._loop: Any = None  # a LoopThread serving the session sockets, started on first use
+        self._forward: Any = None  # the forwarders' shared httpx.AsyncClient (lives on that loop)
+        self._forwarders: dict[str, Any] = {}
+        self._mu = threading.Lock()
         try:
             models = self.client.get("/v1/models").raise_for_status().json()["data"]
         except (httpx.HTTPError, KeyError, ValueError) as exc:
@@ -209,6 +243,25 @@ class RemoteProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.client.close()
+        if self._loop is not None:
+            import asyncio
+
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._forward.aclose(), self._loop.loop).result(timeout=10)
+            self._loop.close()
+            self._loop = None
+
+    def serve_session(self, session_id: str, path: Path) -> Closable:
+        import httpx
+
+        from legorl.proxy.session_socket import LoopThread, SessionForwarder, SessionSocket
+
+        with self._mu:
+            if self._loop is None:
+                self._loop = LoopThread()
+                self._forward = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0))
+            app = self._forwarders[session_id] = SessionForwarder(self.url, session_id, self._forward, self.api_key)
+        return SessionSocket(app, path, self._loop.loop)
 
     def new_session(self, budgets: Budgets, metadata: dict[str, Any]) -> tuple[str, str, str]:
         body = {"budgets": {k: v for k, v in budgets.to_dict().items() if v is not None}, "metadata": metadata}
@@ -217,6 +270,10 @@ class RemoteProxy:
         return sid, f"{self.url}/sess/{sid}/v1", f"{self.url}/sess/{sid}"
 
     def finish(self, session_id: str) -> Capture:
+        with self._mu:
+            forwarder = self._forwarders.pop(session_id, None)
+        if forwarder is not None:
+            forwarder.closed = True
         data = self.client.post(f"/sess/{session_id}/finish").raise_for_status().json()
         return Capture([Segment.from_dict(s) for s in data.get("segments") or []],
                        [Call.from_dict(c) for c in data.get("calls") or []],
@@ -245,6 +302,12 @@ class Attempt:
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")[:150]
+
+
+def _line(exc: BaseException) -> str:
+    """An exception as one line of a trial's error (LegorlErrors say what happened themselves)."""
+    text = str(exc) if isinstance(exc, LegorlError) else f"{type(exc).__name__}: {exc}"
+    return (text.splitlines() or [type(exc).__name__])[0][:2000]
 
 
 _BUDGET_TIMEOUT = "max_wall_time"
@@ -310,27 +373,51 @@ class TrialRunner:
             shutil.rmtree(trial_dir, ignore_errors=True)
         trial_dir.mkdir(parents=True)
         timings = Timings()
-        box = None
+        box: Any = None
+        channel: ProxyChannel | None = None
+        listener: Closable | None = None
         session: str | None = None
         t0 = time.monotonic()
         try:
-            box = self.create(self.sandbox_spec(job, key, harness, trial_dir))
-            self.prepare(box, job.task)
-            timings.sandbox_s = time.monotonic() - t0
-            session, openai_url, anthropic_url = self.proxy.new_session(
-                self.budgets(), {"task_id": job.task.instance_id, "harness": job.harness, "step": cfg.step,
-                                 "sample_index": job.sample_index, "attempt": n})
+            # Setting up: nothing of the agent has run yet, so every failure here is infrastructure.
+            try:
+                channel = ProxyChannel.create() if harness.in_container else None
+                box = self.create(self.sandbox_spec(job, key, harness, trial_dir, channel))
+                self.prepare(box, job.task)
+                timings.sandbox_s = time.monotonic() - t0
+                session, openai_url, anthropic_url = self.proxy.new_session(
+                    self.budgets(), {"task_id": job.task.instance_id, "harness": job.harness, "step": cfg.step,
+                                     "sample_index": job.sample_index, "attempt": n})
+                if channel is not None:  # the harness sees only its session, through the relay
+                    listener = self.proxy.serve_session(session, channel.socket_path)
+                    channel.check(box, session)
+                    anthropic_url = channel.session_url(session)
+                    openai_url = anthropic_url + "/v1"
+            except Exception as exc:
+                return Attempt(Outcome.INFRA_ERROR, _line(exc), timings=timings)
             spec = TrialSpec(
                 trial_id=key, problem_statement=job.task.problem_statement or "", model=self.proxy.model,
                 openai_base_url=openai_url, anthropic_base_url=anthropic_url, max_turns=cfg.max_turns,
                 timeout_s=cfg.timeout_s, temperature=cfg.temperature, context_tokens=self.proxy.context_tokens,
             )
-            run = harness.run(spec, box, trial_dir)
-            timings.agent_s = run.duration_s
             t1 = time.monotonic()
+            try:
+                run = harness.run(spec, box, trial_dir)
+            except LegorlError as exc:  # the sandbox failed under the harness: classified below
+                run = HarnessRun(End.CRASHED, _line(exc), None, False, time.monotonic() - t1, trial_dir / LOG_NAME)
+            timings.agent_s = run.duration_s
+            t2 = time.monotonic()
             alive = box.alive()
-            patch = box.patch() if alive else None
-            timings.patch_s = time.monotonic() - t1
+            patch, patch_error = None, None
+            if alive:
+                try:
+                    patch = box.patch()
+                except LegorlError as exc:  # the agent can break its own repository
+                    patch_error = _line(exc)
+            timings.patch_s = time.monotonic() - t2
+            if listener is not None:  # nothing reaches the session from the container any more
+                listener.close()
+                listener = None
             capture = self.proxy.finish(session)
             session = None
             view = ProxyView(calls=sum(1 for c in capture.calls if not c.budget_stop),
@@ -339,20 +426,24 @@ class TrialRunner:
             outcome, error = classify(run, view, alive, patch)
             if capture.budget_stop == _BUDGET_TIMEOUT and outcome is Outcome.BUDGET:
                 outcome = Outcome.TIMEOUT
+            if patch_error and outcome is not Outcome.INFRA_ERROR:
+                error = f"{error}; no patch: {patch_error}" if error else f"no patch: {patch_error}"
             timings.model_s = round(sum(c.latency_s or 0.0 for c in capture.calls), 3)
-            return Attempt(outcome, error, run.exit_code, patch, capture, timings)
-        except LegorlError as exc:  # sandbox, testbed, image, proxy session
-            return Attempt(Outcome.INFRA_ERROR, str(exc).splitlines()[0], timings=timings)
-        except Exception as exc:  # legorl's own failure is never the agent's: infra, retried, recorded
-            return Attempt(Outcome.INFRA_ERROR, f"{type(exc).__name__}: {exc}".splitlines()[0], timings=timings)
+            return Attempt(outcome, error[:2000] if error else None, run.exit_code, patch, capture, timings)
+        except Exception as exc:  # legorl's own failure (the proxy, podman) is never the agent's
+            return Attempt(Outcome.INFRA_ERROR, _line(exc), timings=timings)
         finally:
             if session is not None:
                 with contextlib.suppress(Exception):  # the failed attempt's capture is dropped anyway
                     self.proxy.finish(session)
             if box is not None:
-                t2 = time.monotonic()
+                t3 = time.monotonic()
                 box.remove()
-                timings.sandbox_s = round((timings.sandbox_s or 0.0) + time.monotonic() - t2, 3)
+                timings.sandbox_s = round((timings.sandbox_s or 0.0) + time.monotonic() - t3, 3)
+            if listener is not None:
+                listener.close()
+            if channel is not None:
+                channel.close()
             for name in ("agent_s", "patch_s"):
                 value = getattr(timings, name)
                 if value is not None:
@@ -360,16 +451,21 @@ class TrialRunner:
             if not cfg.keep_home:
                 shutil.rmtree(trial_dir / "home", ignore_errors=True)
 
-    def sandbox_spec(self, job: TrialJob, key: str, harness: BaseHarness, trial_dir: Path) -> Any:
+    def sandbox_spec(self, job: TrialJob, key: str, harness: BaseHarness, trial_dir: Path,
+                     channel: ProxyChannel | None = None) -> Any:
+        """No network; an in-container harness gets its mounts and the channel (the relay as the
+        container's main process)."""
         from legorl.sandbox.base import SandboxSpec
 
-        return SandboxSpec(
+        spec = SandboxSpec(
             image=image_for(job.task),
             labels={"run": self.run_dir.root.name, "trial": key, "role": "rollout"},
-            network=harness.in_container,
             mounts=tuple(harness.mounts(trial_dir)),
             deadline_s=self.cfg.timeout_s + 900.0,
         )
+        if channel is None:
+            return spec
+        return replace(spec, mounts=(*spec.mounts, channel.mount), command=channel.command)
 
     @staticmethod
     def prepare(box: Any, task: TaskRow) -> None:

@@ -19,7 +19,6 @@ from legorl.harnesses.base import (
     Launch,
     ProxyView,
     classify,
-    container_url,
     json_lines,
     run_on_host,
 )
@@ -36,14 +35,20 @@ def _run(end: End, exit_code: int | None = 0, timed_out: bool = False) -> Harnes
 @pytest.mark.parametrize(
     ("run", "proxy", "alive", "patch", "want"),
     [
-        (_run(End.SUBMITTED), ProxyView(calls=3), False, "p", Outcome.INFRA_ERROR),  # sandbox died
+        # the agent can kill its own container: its outcome, unless the policy never spoke
+        (_run(End.SUBMITTED), ProxyView(calls=3), False, "p", Outcome.HARNESS_CRASH),
+        (_run(End.CRASHED, None), ProxyView(calls=0), False, None, Outcome.INFRA_ERROR),
         (_run(End.CRASHED, 1), ProxyView(calls=2, engine_error="boom"), True, None, Outcome.INFRA_ERROR),
+        (_run(End.SUBMITTED), ProxyView(calls=2, engine_error="boom"), False, "p", Outcome.INFRA_ERROR),
         (_run(End.UNKNOWN, None, timed_out=True), ProxyView(calls=9), True, "p", Outcome.TIMEOUT),
         (_run(End.FINISHED), ProxyView(calls=5, budget_stop="max_turns"), True, "p", Outcome.MAX_TURNS),
         (_run(End.FINISHED), ProxyView(calls=5, budget_stop="context_overflow"), True, "", Outcome.CONTEXT_OVERFLOW),
         (_run(End.FINISHED), ProxyView(calls=5, budget_stop="max_total_tokens"), True, "", Outcome.BUDGET),
-        (_run(End.API_ERROR, 1), ProxyView(calls=1), True, None, Outcome.INFRA_ERROR),
+        # a harness's claim of an API error the proxy did not record is the harness's (the agent's)
+        (_run(End.API_ERROR, 1), ProxyView(calls=1), True, None, Outcome.HARNESS_CRASH),
         (_run(End.CRASHED, 1), ProxyView(calls=0), True, None, Outcome.INFRA_ERROR),  # never reached the model
+        (_run(End.SUBMITTED, 0), ProxyView(calls=0), True, "p", Outcome.INFRA_ERROR),  # no policy output at all
+        (_run(End.UNKNOWN, None, timed_out=True), ProxyView(calls=0), True, None, Outcome.INFRA_ERROR),
         (_run(End.CRASHED, 1), ProxyView(calls=2), True, None, Outcome.HARNESS_CRASH),
         (_run(End.FINISHED), ProxyView(calls=2), True, "diff", Outcome.SUBMITTED),
         (_run(End.FINISHED), ProxyView(calls=2), True, "", Outcome.NO_SUBMISSION),
@@ -59,16 +64,25 @@ def test_classify(run: HarnessRun, proxy: ProxyView, alive: bool, patch: str | N
     assert outcome == want
 
 
-def test_container_url_maps_host_loopback_only() -> None:
-    assert container_url("http://127.0.0.1:8123/sess/a/v1") == "http://10.0.2.2:8123/sess/a/v1"
-    assert container_url("http://localhost:9/sess/a") == "http://10.0.2.2:9/sess/a"
-    assert container_url("http://gpu-box:8000/sess/a/v1") == "http://gpu-box:8000/sess/a/v1"
-
-
 def test_json_lines_skips_noise(tmp_path: Path) -> None:
     log = tmp_path / "log"
     log.write_text('starting\n{"type": "a"}\n{broken\n[1]\n  {"type": "b"}\n')
     assert [e["type"] for e in json_lines(log)] == ["a", "b"]
+    (tmp_path / "link").symlink_to(log)
+    assert json_lines(tmp_path / "link") == []  # never follows a link planted in the trial folder
+
+
+@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]", '{"status": ' * 5000, None])
+def test_garbled_or_missing_results_are_the_harness_crash(content: str | None, tmp_path: Path) -> None:
+    from legorl.harnesses.base import ProcResult, TrialPaths
+    from legorl.harnesses.mini_swe_agent import MiniSweAgent
+    from legorl.harnesses.openhands import OpenHands
+
+    if content is not None:
+        (tmp_path / "result.json").write_text(content)
+    paths, proc = TrialPaths(tmp_path, str(tmp_path)), ProcResult(1, False, 1.0, "boom")
+    for harness in (MiniSweAgent(), OpenHands()):
+        assert harness.read_end(paths, proc)[0] is End.CRASHED
 
 
 def test_host_timeout_kills_the_whole_process_group(tmp_path: Path) -> None:

@@ -69,7 +69,9 @@ def test_scripted_fix_is_submitted_and_grades_to_one(tiny_model: Path, base_imag
     assert _containers(run) == []
 
 
-def test_container_killed_mid_trial_is_infra_and_retried(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
+def test_container_killed_mid_trial_is_the_agents_outcome(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
+    """The agent can kill its own container, so a container that dies after the policy has spoken is
+    the agent's outcome (a harness crash), never infrastructure, and not retried."""
     run = tmp_path / "run"
     task = import_one(run, tmp_path)
     solve = scripted(solving_script("mini-swe-agent", task))
@@ -86,11 +88,11 @@ def test_container_killed_mid_trial_is_infra_and_retried(tiny_model: Path, base_
 
     [row] = _rollout(tiny_model, run, complete, harnesses=["mini-swe-agent"])
     assert killed.is_set()
-    assert row.attempts == 2 and row.outcome == Outcome.SUBMITTED and not row.infra_failure
-    assert len(row.calls) == 2  # only the successful attempt's calls and tokens are kept
-    assert (run / "logs" / "rollout").is_dir()
+    assert row.attempts == 1 and row.outcome == Outcome.HARNESS_CRASH and not row.infra_failure, row.error
+    assert "container died" in (row.error or "") and row.patch is None
     attempt1 = next((run / "logs" / "rollout").glob("*attempt1"))
     assert (attempt1 / "harness.log").exists()
+    assert _containers(run) == []
 
 
 def test_engine_failure_is_infra_error(tiny_model: Path, base_image: str, tmp_path: Path) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from legorl.errors import LegorlError
-from legorl.sandbox import PodmanBackend, PodmanSandbox, SandboxSpec, base_image, install_testbed
+from legorl.sandbox import (
+    PodmanBackend,
+    PodmanSandbox,
+    SandboxError,
+    SandboxSpec,
+    base_image,
+    install_testbed,
+)
 from legorl.sandbox.host import ensure_base_image, run_podman
 
 pytestmark = pytest.mark.podman
@@ -142,26 +147,12 @@ def test_network_is_unreachable_by_default(box: PodmanSandbox) -> None:
     assert box.exec("ls /sys/class/net").output.split() == ["lo"]
 
 
-def test_network_opt_in_reaches_the_host_loopback(image: str) -> None:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"proxy says hi")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with PodmanBackend().create(SandboxSpec(image=image, network=True)) as box:
-            url = f"http://10.0.2.2:{server.server_address[1]}/"
-            res = box.exec(["python3", "-c", f"import urllib.request; print(urllib.request.urlopen({url!r}).read())"],
-                           timeout=30)
-            assert "proxy says hi" in res.output, res.output
-    finally:
-        server.shutdown()
+def test_no_sandbox_gets_a_network(image: str) -> None:
+    """A trial reaches its proxy through its session's socket (tests/test_trial_isolation.py), never a network."""
+    with pytest.raises(SandboxError, match="no network"):
+        PodmanBackend().create(SandboxSpec(image=image, network=True))
+    args = PodmanBackend().run_args(SandboxSpec(image=image), "x")
+    assert [a for a in args if a in ("--network", "none")] == ["--network", "none"]
 
 
 def test_fork_bomb_is_contained(image: str) -> None:

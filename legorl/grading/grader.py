@@ -180,6 +180,17 @@ class Grader:
             self._infra(out, str(exc))
         except (OSError, TimeoutError, subprocess.SubprocessError) as exc:
             self._infra(out, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # whatever a patch does, its trial gets a row
+            # A grader bug the patch triggered must not become its way out of a 0: the control
+            # run decides, as for any failure after the patch went in.
+            error = f"the grader could not judge this patch: {type(exc).__name__}: {exc}"
+            control = self._control(task)
+            if control is None:
+                self._zero(out, GradeStatus.TESTS_ERRORED, error, task)
+                out.control = "the task's control patch graded normally in the same conditions"
+            else:
+                self._infra(out, f"{error}; the control run failed too: {control}")
+                out.control = control
         out.duration_s = round(time.monotonic() - start, 3)
         if out.log is not None:
             out.log = _trim(out.log)
@@ -294,8 +305,8 @@ class Grader:
         try:
             run, nonce = self._execute(task, task.patch or "")
             problem = run.failure(nonce) if "applied" in run.events else _before_patch_error(run)
-        except LegorlError as exc:
-            problem = str(exc).splitlines()[0]
+        except Exception as exc:  # the control's failure, whatever it is, is the evidence
+            problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         with self._lock:
             self._controls[key] = (time.monotonic(), problem or "")
         return problem

@@ -8,7 +8,14 @@ process group, log capture, and turning all that plus the proxy's view into an
 :class:`~legorl.schemas.Outcome`.
 
 Harnesses never see anything of legorl but a base URL (``/sess/<trial>/v1``, or ``/sess/<trial>``
-for the Anthropic API), the task's problem statement and the repository at ``/testbed``.
+for the Anthropic API), the task's problem statement and the repository at ``/testbed``. Inside
+the container that URL is the container's own loopback, relayed to the session's socket
+(:mod:`legorl.harnesses.channel`); the container has no other network.
+
+Everything in the trial folder may have been written by the agent (it is mounted into the
+container for in-container harnesses): the host reads it only through
+:mod:`legorl.harnesses.trialfiles`, and nothing read there can make a trial an infrastructure
+failure (:func:`classify`).
 """
 
 from __future__ import annotations
@@ -24,15 +31,14 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import ClassVar, Protocol
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, ClassVar, Protocol
 
 from legorl.harnesses.install import Installation, require
+from legorl.harnesses.trialfiles import read_trial_text
 from legorl.sandbox.base import Sandbox
 from legorl.schemas import Outcome
 
 CONTAINER_TRIAL_DIR = "/legorl"  # where the per-trial folder is mounted inside the container
-HOST_LOOPBACK = "10.0.2.2"  # the host's 127.0.0.1 as seen through slirp4netns
 LOG_NAME = "harness.log"
 KILL_GRACE_S = 5.0
 # What a host-run harness inherits from legorl's environment; everything else is set explicitly,
@@ -49,7 +55,7 @@ class End(StrEnum):
     MAX_TURNS = "max_turns"
     CONTEXT_OVERFLOW = "context_overflow"
     TIME_LIMIT = "time_limit"  # the harness's own wall-clock limit
-    API_ERROR = "api_error"  # the harness gave up on the model API (the proxy or engine failed)
+    API_ERROR = "api_error"  # the harness says it gave up on the model API (a claim, see classify)
     CRASHED = "crashed"
     UNKNOWN = "unknown"
 
@@ -61,7 +67,7 @@ class TrialSpec:
     trial_id: str
     problem_statement: str
     model: str  # the model name the harness sends (any name: the session decides)
-    openai_base_url: str  # http://HOST:PORT/sess/<id>/v1, as reachable from the host
+    openai_base_url: str  # http://HOST:PORT/sess/<id>/v1, as reachable from where the harness runs
     anthropic_base_url: str  # http://HOST:PORT/sess/<id>
     max_turns: int = 30
     timeout_s: float = 1800.0
@@ -128,23 +134,10 @@ class Harness(Protocol):
     def run(self, trial: TrialSpec, sandbox: Sandbox, trial_dir: Path) -> HarnessRun: ...
 
 
-def container_url(url: str) -> str:
-    """``url`` as reachable from inside a slirp4netns container: host loopback → 10.0.2.2."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if host in ("127.0.0.1", "localhost", "0.0.0.0", "::1"):
-        netloc = HOST_LOOPBACK + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
-
-
 def tail(path: Path, chars: int = 4000) -> str:
+    """The end of a log in the trial folder ('' when it is missing or refused)."""
     try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - chars))
-            return handle.read().decode(errors="replace")
+        return read_trial_text(path, chars, tail=True)
     except OSError:
         return ""
 
@@ -292,10 +285,11 @@ def run_in_sandbox(sandbox: Sandbox, launch: Launch, timeout_s: float, workdir: 
 
 
 def json_lines(path: Path) -> list[dict[str, object]]:
-    """The JSON objects among the lines of a log (harnesses that print JSONL events mix in other text)."""
+    """The JSON objects among the lines of a log in the trial folder (harnesses that print JSONL
+    events mix in other text); a huge log is read from its end, where a harness's result is."""
     events: list[dict[str, object]] = []
     try:
-        text = path.read_text(errors="replace")
+        text = read_trial_text(path, tail=True)
     except OSError:
         return events
     for line in text.splitlines():
@@ -308,6 +302,22 @@ def json_lines(path: Path) -> list[dict[str, object]]:
             if isinstance(obj, dict):
                 events.append(obj)
     return events
+
+
+def json_file(path: Path, limit: int = 1 << 20) -> dict[str, Any] | None:
+    """A JSON object file in the trial folder (a harness's result), or None when it is missing,
+    refused, too large or garbled: all of those are the harness's (the agent's) doing."""
+    try:
+        raw = read_trial_text(path, limit + 1)
+    except OSError:
+        return None
+    if len(raw) > limit:
+        return None
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 # --------------------------------------------------------------------------- outcomes
@@ -334,22 +344,29 @@ _END_OUTCOMES = {
 
 
 def classify(run: HarnessRun, proxy: ProxyView, sandbox_alive: bool, patch: str | None) -> tuple[Outcome, str | None]:
-    """The trial's outcome. Infrastructure first (the sandbox died, the engine failed, the harness
-    never reached the model), then the hard kill, then the proxy's budget stops (they end the
-    episode with a normal reply, so the harness itself thinks it finished), then the harness's own
-    account."""
-    if not sandbox_alive:
-        return Outcome.INFRA_ERROR, "the sandbox container died during the trial"
+    """The trial's outcome; infrastructure only from signals the agent cannot write.
+
+    Infrastructure: the proxy recorded an engine failure for this session, or no output of the
+    policy ever reached the harness (no sampled call): until then nothing in the trial is the
+    agent's doing (legorl could not launch the harness, the sandbox broke under it, the model was
+    unreachable). Once the policy has spoken, the rest is the agent's outcome: a dead container
+    (the agent can kill its own), the hard kill, the proxy's budget stops (they end the episode
+    with a normal reply, so the harness itself thinks it finished), then the harness's own account
+    — read from files the agent can write when the harness runs in its container, so it never
+    says "infrastructure": an API error the proxy did not record is the harness's crash.
+    """
     if proxy.engine_error:
         return Outcome.INFRA_ERROR, f"engine failed: {proxy.engine_error}"
+    if proxy.calls == 0:
+        return Outcome.INFRA_ERROR, f"the harness never reached the model: {run.detail or 'no calls'}"
+    if not sandbox_alive:
+        return Outcome.HARNESS_CRASH, "the sandbox container died during the trial"
     if run.timed_out:
         return Outcome.TIMEOUT, f"killed after the wall-clock limit ({run.duration_s:.0f} s)"
     if proxy.budget_stop:
         return _BUDGET_OUTCOMES.get(proxy.budget_stop, Outcome.BUDGET), f"proxy budget: {proxy.budget_stop}"
     if run.end is End.API_ERROR:
-        return Outcome.INFRA_ERROR, run.detail or "the harness could not reach the model"
-    if proxy.calls == 0 and run.end in (End.CRASHED, End.UNKNOWN):
-        return Outcome.INFRA_ERROR, f"the harness never reached the model: {run.detail or 'no calls'}"
+        return Outcome.HARNESS_CRASH, f"the harness reports an API error the proxy did not record: {run.detail}"
     if run.end is End.FINISHED:
         return (Outcome.SUBMITTED if patch else Outcome.NO_SUBMISSION), run.detail
     if run.end in _END_OUTCOMES:

@@ -1,7 +1,7 @@
 """Claude Code: the npm package's native binary, headless (``claude -p``), in the container.
 
 It speaks only the Anthropic Messages API, so it is pointed at the session's Anthropic base URL
-(``/sess/<id>``, reached through slirp4netns at 10.0.2.2). Proprietary: installed by the user's
+(``/sess/<id>``, reached through the trial's relay on the container's own loopback). Proprietary: installed by the user's
 own ``legorl harness install claude-code`` from the npm registry, never vendored. It exits at
 once on a 400, so an API error is visible as its result event.
 """
@@ -15,7 +15,6 @@ from legorl.harnesses.base import (
     ProcResult,
     TrialPaths,
     TrialSpec,
-    container_url,
     json_lines,
 )
 from legorl.sandbox.base import Sandbox
@@ -29,7 +28,7 @@ class ClaudeCode(BaseHarness):
 
     def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
         env = self.base_env(paths) | {
-            "ANTHROPIC_BASE_URL": container_url(trial.anthropic_base_url),
+            "ANTHROPIC_BASE_URL": trial.anthropic_base_url,
             "ANTHROPIC_API_KEY": "legorl",
             "IS_SANDBOX": "1",  # allows --dangerously-skip-permissions as root (the container is the sandbox)
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from legorl.harnesses.base import BaseHarness, End, Launch, ProcResult, TrialPaths, TrialSpec
+from legorl.harnesses.base import BaseHarness, End, Launch, ProcResult, TrialPaths, TrialSpec, json_file
 from legorl.sandbox.base import Sandbox
 from legorl.sandbox.host import podman_env, podman_path
 
@@ -68,12 +68,11 @@ class MiniSweAgent(BaseHarness):
         return Launch([self.install.python or "python", str(RUNNER), str(config)], env)
 
     def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
-        result_file = paths.host / "result.json"
-        if not result_file.exists():
+        result = json_file(paths.host / "result.json")
+        if result is None:
             return End.UNKNOWN if proc.timed_out else End.CRASHED, _last_line(proc.log_tail)
-        result = json.loads(result_file.read_text())
-        status = result.get("exit_status") or ""
-        message = result.get("message")
+        status = str(result.get("exit_status") or "")
+        message = None if result.get("message") is None else str(result["message"])
         if status in _EXIT_STATUS:
             return _EXIT_STATUS[status], status
         if "ContextWindowExceeded" in status:

@@ -1,8 +1,9 @@
 """OpenCode: the npm package's native binary, headless (``opencode run --format json``), in the container.
 
 It runs its tools in its own process, so it must run inside the sandbox: the binary (glibc only)
-is bind-mounted read-only and it reaches the proxy through slirp4netns at 10.0.2.2, configured as
-an ``@ai-sdk/openai-compatible`` provider. Autoupdate, model-catalogue fetches, LSP downloads,
+is bind-mounted read-only and it reaches the proxy through the trial's relay on the container's
+own loopback (:mod:`legorl.harnesses.channel`), configured as an ``@ai-sdk/openai-compatible``
+provider. Autoupdate, model-catalogue fetches, LSP downloads,
 default plugins, sharing and snapshots are off; HOME is private to the trial.
 
 Its step limit is soft, it retries any 400 forever and a context-length 400 starts a compaction
@@ -21,7 +22,6 @@ from legorl.harnesses.base import (
     ProcResult,
     TrialPaths,
     TrialSpec,
-    container_url,
     json_lines,
 )
 from legorl.sandbox.base import Sandbox
@@ -56,7 +56,7 @@ class OpenCode(BaseHarness):
             "provider": {PROVIDER: {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": PROVIDER,
-                "options": {"baseURL": container_url(trial.openai_base_url), "apiKey": "legorl"},
+                "options": {"baseURL": trial.openai_base_url, "apiKey": "legorl"},
                 "models": {trial.model: model},
             }},
             "permission": {"edit": "allow", "bash": "allow", "webfetch": "deny", "external_directory": "allow"},

@@ -2,7 +2,8 @@
 
 The SDK needs Python >= 3.12; its venv and the interpreter it was made from are bind-mounted
 read-only into the container at their host paths, and the agent runs there with the ``subprocess``
-terminal (task images have no tmux), reaching the proxy through slirp4netns at 10.0.2.2. Its
+terminal (task images have no tmux), reaching the proxy through the trial's relay on the
+container's own loopback (:mod:`legorl.harnesses.channel`). Its
 DockerWorkspace is not an option here: it needs a registry image and hard-codes ulimits.
 """
 
@@ -12,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from legorl.harnesses.base import BaseHarness, End, Launch, ProcResult, TrialPaths, TrialSpec, container_url
+from legorl.harnesses.base import BaseHarness, End, Launch, ProcResult, TrialPaths, TrialSpec, json_file
 from legorl.sandbox.base import Sandbox
 
 RUNNER = Path(__file__).with_name("_openhands_runner.py")
@@ -28,7 +29,7 @@ class OpenHands(BaseHarness):
     def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
         shutil.copy(RUNNER, paths.host / RUNNER.name)
         cfg = {
-            "api_base": container_url(trial.openai_base_url),
+            "api_base": trial.openai_base_url,
             "model": trial.model,
             "temperature": trial.temperature,
             "task": trial.problem_statement,
@@ -45,12 +46,11 @@ class OpenHands(BaseHarness):
         return Launch([self.install.python or "python3", paths.at(RUNNER.name), paths.at("openhands.json")], env)
 
     def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
-        result_file = paths.host / "result.json"
-        if not result_file.exists():
+        result = json_file(paths.host / "result.json")
+        if result is None:
             return End.UNKNOWN if proc.timed_out else End.CRASHED, proc.log_tail.strip()[-500:] or None
-        result = json.loads(result_file.read_text())
-        status, code = result.get("status"), result.get("error_code") or ""
-        detail = f"{code}: {result.get('message')}" if code else result.get("exception")
+        status, code = result.get("status"), str(result.get("error_code") or "")
+        detail = f"{code}: {result.get('message')}" if code else _text(result.get("exception"))
         if status == "finished":
             return (End.SUBMITTED if result.get("finish_called") else End.FINISHED), detail
         if code == "MaxIterationsReached":
@@ -62,3 +62,7 @@ class OpenHands(BaseHarness):
         if any(marker in code for marker in _API_ERROR_MARKERS):
             return End.API_ERROR, detail
         return End.CRASHED, detail
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)

@@ -18,6 +18,11 @@ Unknown session ids on the model routes create a session with the default budget
 cannot create sessions themselves; a per-trial URL is all they are given). ``/trajectory`` and
 ``/finish`` of an unknown id are 404. With an API key, every route but ``/health`` needs it as
 ``Authorization: Bearer`` or ``x-api-key``.
+
+:meth:`ProxyApp.bound_to` is the app a trial's own socket serves (:mod:`legorl.proxy.session_socket`):
+only ``/sess/<that id>`` + a model route (:func:`session_route`), only while that session exists
+(never created by a request), without the API key (the socket is the credential); everything
+else is a 404 there.
 """
 
 from __future__ import annotations
@@ -51,9 +56,25 @@ _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")
 _OPENAI_ROUTES = ("/v1/chat/completions", "/chat/completions")
 _ANTHROPIC_ROUTES = ("/v1/messages", "/messages")
 _COUNT_ROUTES = ("/v1/messages/count_tokens", "/messages/count_tokens")
+_MODEL_ROUTES = frozenset({*_OPENAI_ROUTES, *_ANTHROPIC_ROUTES, *_COUNT_ROUTES, "/v1/models", "/models"})
 
 
-class _Disconnected(Exception):
+def session_route(path: str, session_id: str) -> str | None:
+    """The model route ``path`` names under ``/sess/<session_id>``, or None: the whole of what a
+    session-bound socket serves (no other session, no trajectory/finish, no admin routes)."""
+    prefix = f"/sess/{session_id}"
+    if path.startswith(prefix) and path[len(prefix):] in _MODEL_ROUTES:
+        return path[len(prefix):]
+    return None
+
+
+async def not_found(send: Send, path: str) -> None:
+    """The 404 a session-bound socket answers for anything but its own session's model routes."""
+    api = "anthropic" if "/messages" in path else "openai"
+    await _error(send, api, 404, "not found on this session's socket", code="not_found")
+
+
+class Disconnected(Exception):
     pass
 
 
@@ -65,7 +86,20 @@ class ProxyApp:
         self.auto_create = auto_create
         self.max_body = max_body_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def bound_to(self, session_id: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        """The app a socket bound to ``session_id`` serves (see the module docstring)."""
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                return
+            if session_route(scope["path"], session_id) is None or self.core.get(session_id) is None:
+                await not_found(send, scope["path"])
+                return
+            await self.__call__(scope, receive, send, bound=session_id)
+
+        return app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, bound: str | None = None) -> None:
         if scope["type"] == "lifespan":
             while True:
                 msg = await receive()
@@ -80,7 +114,7 @@ class ProxyApp:
         method: str = scope["method"]
         api = "anthropic" if ("/messages" in path) else "openai"
         try:
-            await self._route(scope, receive, send, path, method, api)
+            await self._route(scope, receive, send, path, method, api, bound)
         except BadRequest as exc:
             await _error(send, api, exc.status, exc.message, exc.param, exc.code)
         except ContextOverflow as exc:
@@ -89,7 +123,7 @@ class ProxyApp:
             else:
                 await _error(send, api, 400, f"This model's maximum context length was exceeded: {exc}",
                              "messages", "context_length_exceeded")
-        except _Disconnected:
+        except Disconnected:
             pass
         except Exception as exc:  # a bug or an engine failure: a server error, logged, never a hang
             log.exception("proxy request %s %s failed", method, path)
@@ -97,12 +131,14 @@ class ProxyApp:
 
     # ------------------------------------------------------------------ routing
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send, path: str, method: str, api: str) -> None:
+    async def _route(self, scope: Scope, receive: Receive, send: Send, path: str, method: str, api: str,
+                     bound: str | None) -> None:
         if path == "/health":
             await _json(send, 200, {"status": "ok", "model": self.core.engine.name,
                                     "sessions": len(self.core.sessions)})
             return
-        self._check_key(scope)
+        if bound is None:
+            self._check_key(scope)
         session_id: str | None = None
         sub = path
         if path.startswith("/sess/"):
@@ -116,17 +152,17 @@ class ProxyApp:
             return
         if session_id is None and sub == "/sessions":
             _require(method, "POST")
-            await self._create_session(scope, await _body(receive, self.max_body, allow_empty=True), send)
+            await self._create_session(scope, await read_body(receive, self.max_body, allow_empty=True), send)
             return
         if sub in _OPENAI_ROUTES or sub in _ANTHROPIC_ROUTES:
             _require(method, "POST")
-            session = self._session(session_id or "default")
-            body = _parse_json(await _body(receive, self.max_body))
+            session = self._session(session_id or "default", create=self.auto_create and bound is None)
+            body = _parse_json(await read_body(receive, self.max_body))
             await self._chat(send, session, body, "anthropic" if sub in _ANTHROPIC_ROUTES else "openai")
             return
         if sub in _COUNT_ROUTES:
             _require(method, "POST")
-            req, _ = anthropic_api.parse_request(_parse_json(await _body(receive, self.max_body)),
+            req, _ = anthropic_api.parse_request(_parse_json(await read_body(receive, self.max_body)),
                                                  self.core.engine.name)
             await _json(send, 200, {"input_tokens": self._count(req)})
             return
@@ -158,8 +194,8 @@ class ProxyApp:
         if not hmac.compare_digest(given, self.api_key.encode()):
             raise BadRequest("invalid API key", status=401, code="invalid_api_key")
 
-    def _session(self, session_id: str) -> Session:
-        session = self.core.get(session_id, create=self.auto_create)
+    def _session(self, session_id: str, create: bool) -> Session:
+        session = self.core.get(session_id, create=create)
         if session is None:
             raise BadRequest(f"unknown session {session_id}", status=404, code="not_found")
         return session
@@ -302,13 +338,13 @@ def _parse_json(raw: bytes) -> Any:
         raise BadRequest(f"malformed JSON body: {exc}") from None
 
 
-async def _body(receive: Receive, limit: int, allow_empty: bool = False) -> bytes:
+async def read_body(receive: Receive, limit: int, allow_empty: bool = False) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
-            raise _Disconnected()
+            raise Disconnected()
         chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -27,6 +27,7 @@ from legorl.proxy.app import ProxyApp
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.core import ProxyCore, SamplingOverride
 from legorl.proxy.render import ChatRenderer
+from legorl.proxy.session_socket import SessionSocket
 from legorl.proxy.sessions import SessionCapture
 from legorl.proxy.toolparse import ToolParser, get_parser
 
@@ -180,6 +181,13 @@ class ProxyServer:
 
     def new_session(self, budgets: Budgets | None = None, metadata: dict[str, Any] | None = None) -> str:
         return self.core.new_session(budgets, metadata).id
+
+    def serve_session(self, session_id: str, path: str | Path) -> SessionSocket:
+        """Serve session ``session_id`` alone on a new unix socket at ``path`` (a trial's one
+        endpoint: see :mod:`legorl.proxy.session_socket`); ``close()`` it when the trial is over."""
+        if self.loop is None or self.core.get(session_id) is None:
+            raise LegorlError(f"cannot serve session {session_id}: the proxy is not running or has no such session")
+        return SessionSocket(self.app.bound_to(session_id), path, self.loop)
 
     def capture(self, session_id: str) -> SessionCapture:
         session = self.core.get(session_id)

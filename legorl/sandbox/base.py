@@ -18,7 +18,9 @@ class ExecResult:
 class SandboxSpec:
     image: str
     labels: dict[str, str] = field(default_factory=dict)
-    network: bool = False  # True: slirp4netns with the host loopback reachable at 10.0.2.2
+    # Always False: every container runs with --network none (a trial reaches its proxy session
+    # through a unix socket mounted in, see legorl.harnesses.channel); True is refused.
+    network: bool = False
     memory: str = "4g"
     pids_limit: int = 1024
     cpus: float | None = None

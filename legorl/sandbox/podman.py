@@ -139,9 +139,9 @@ class PodmanBackend:
         if spec.init:
             args.append("--init")
         if spec.network:
-            args += ["--network", "slirp4netns:allow_host_loopback=true", "--dns", "127.0.0.1"]
-        else:
-            args += ["--network", "none"]
+            raise SandboxError("sandboxes have no network: a trial reaches its proxy through its session's "
+                               "unix socket (legorl.harnesses.channel)")
+        args += ["--network", "none"]
         args += ["--memory", spec.memory, "--memory-swap", spec.memory, "--pids-limit", str(spec.pids_limit)]
         if spec.cpus is not None:
             args += ["--cpus", f"{spec.cpus:g}"]
@@ -175,10 +175,11 @@ class PodmanBackend:
         self._check_image(spec.image)
         _install_handlers()
         name = _container_name(spec.labels)
+        args = self.run_args(spec, name)
         box = PodmanSandbox(name, spec, get_service() if self.api == "auto" else None)
         with _live_lock:
             _live[name] = box  # registered before it exists, so a signal mid-create still removes it
-        proc = run_podman(self.run_args(spec, name), check=False, timeout=300)
+        proc = run_podman(args, check=False, timeout=300)
         if proc.returncode != 0:
             box.remove()
             err = proc.stderr.decode(errors="replace").strip().splitlines()
