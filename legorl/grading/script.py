@@ -10,8 +10,10 @@ size-capped tmpfs mounts, so nothing in it can fill the host's disk):
 3. :mod:`legorl.grading.sandboxed.judge` (root, ``python3 -I``) compares the tree with the pristine
    copy and undoes what a candidate patch may not change;
 4. the hidden tests go in (root applies ``test_patch``), ``.git`` comes back, and the tests run as
-   the unprivileged user through :mod:`legorl.grading.sandboxed.runner`; afterwards every process
-   of that user is killed and root reads the runner's report file.
+   the unprivileged user through :mod:`legorl.grading.sandboxed.runner`, their output going to a
+   root-owned file on the size-capped tmpfs; afterwards every process of that user is killed (a
+   daemon the tests left cannot hold the grade open) and root prints the output (capped) and the
+   runner's report file.
 
 What the host learns comes from **event lines** ``@@legorl <nonce> <event> [data]``. The nonce is
 drawn per grade and lives only in the script, which sits in a root-only folder, so code under test
@@ -151,10 +153,10 @@ mkdir -p /tmp/.legorl-home /tmp/.legorl-report {RUNNER_DIR} && cp $W/runner.py {
   && chmod 700 /tmp/.legorl-report || {{ ev infra "cannot prepare the test run"; exit 0; }}
 ev tests_start {mode}
 echo '{START_MARKER}'
-printf '%s\\n' {q(report_nonce)} | timeout -k 5 {timeout:g} setpriv --reuid=$U --regid=$U --clear-groups {run} 2>&1 \\
-  | head -c {MAX_TEST_OUTPUT}
-code=${{PIPESTATUS[1]}}
+timeout -k 5 {timeout:g} setpriv --reuid=$U --regid=$U --clear-groups {run} >$W/test.out 2>&1 <<< {q(report_nonce)}
+code=$?
 kill_user
+head -c {MAX_TEST_OUTPUT} $W/test.out
 echo
 echo '{END_MARKER}'
 ev tests_end "$code"
