@@ -39,7 +39,8 @@ from legorl.errors import LegorlError
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
 from legorl.grading.patches import split_patch, touched_paths
 from legorl.grading.report import evaluate, failed_report
-from legorl.grading.script import bundle, grade_files, parse_pytest_command, read_events
+from legorl.grading.script import SANDBOXED_DIGEST, bundle, grade_files, parse_pytest_command, read_events
+from legorl.paths import cache_dir
 from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
 from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
 
@@ -271,7 +272,18 @@ class Grader:
         with self._lock:
             if key in self._references:
                 return self._references[key]
-        ref = TestStatuses.from_map(self.gold_statuses(task))
+        # kept on disk by the hash of everything that shapes the gold run, so each grading process
+        # (one per step of a loop) does not grade the gold patch again
+        path = cache_dir() / "grading" / "gold" / f"{key}.json"
+        try:
+            statuses = {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            statuses = self.gold_statuses(task)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(statuses, sort_keys=True))
+            os.replace(tmp, path)
+        ref = TestStatuses.from_map(statuses)
         with self._lock:
             self._references[key] = ref
         return ref
@@ -312,7 +324,7 @@ class Grader:
         return problem
 
     def _task_key(self, task: TaskRow) -> str:
-        parts = [GRADER_VERSION, task.instance_id, task.repo_source or "", task.repo_ref or "", task.base_commit or "",
+        parts = [GRADER_VERSION, SANDBOXED_DIGEST, task.instance_id, task.repo_source or "", task.repo_ref or "", task.base_commit or "",
                  task.patch or "", task.test_patch or "", task.test_command or "", self.image_for(task)]
         return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import json
 import re
@@ -34,6 +35,7 @@ import tarfile
 import time
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 
 WORK = "/tmp/.legorl-grade"  # root-only (0700): the script, its inputs, the pristine copy
 RUNNER_DIR = "/tmp/.legorl-runner"  # root-owned, readable: the runner the test user runs
@@ -83,6 +85,11 @@ def parse_pytest_command(command: str) -> PytestCommand | None:
 
 def _sandboxed(name: str) -> str:
     return resources.files("legorl.grading.sandboxed").joinpath(name).read_text()
+
+
+# What the container runs, as a digest: part of the key of a cached gold run.
+SANDBOXED_DIGEST = hashlib.sha256((_sandboxed("judge.py") + _sandboxed("runner.py")
+                                   + Path(__file__).read_text()).encode()).hexdigest()[:16]
 
 
 def grading_script(nonce: str, report_nonce: str, *, has_patch: bool, has_test_patch: bool, command: str,
