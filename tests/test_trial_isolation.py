@@ -293,6 +293,28 @@ def test_session_socket_serves_one_session(mode: str, proxy: InProcessProxy, ser
     assert not path.exists()
 
 
+def test_request_content_cannot_fake_an_engine_failure(proxy: InProcessProxy, server: ProxyServer) -> None:
+    """An in-container agent can send its own requests through the relay: parameters the engine would
+    choke on are the client's 400, never an engine failure recorded on the session (= infra)."""
+    import httpx
+
+    sid = server.new_session()
+    path = Path(f"/tmp/legorl-test-{os.getpid()}-params.sock")
+    sock = proxy.serve_session(sid, path)
+    try:
+        client = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://x", timeout=30)
+        msgs = [{"role": "user", "content": "hi"}]
+        for extra in ({"seed": 2**64}, {"seed": -(2**70)}, {"top_k": 2**63}):
+            r = client.post(f"/sess/{sid}/v1/chat/completions", json={"model": "m", "messages": msgs, **extra})
+            assert r.status_code == 400, (extra, r.text)
+        r = client.post(f"/sess/{sid}/v1/messages", json={"model": "m", "max_tokens": 8, "messages": msgs,
+                                                          "top_k": 2**64})
+        assert r.status_code == 400, r.text
+        assert proxy.finish(sid).engine_errors == []
+    finally:
+        sock.close()
+
+
 def test_trial_file_reader_refuses_links_fifos_and_huge_files(tmp_path: Path) -> None:
     (tmp_path / "ok.json").write_text('{"a": 1}')
     (tmp_path / "link").symlink_to(tmp_path / "ok.json")

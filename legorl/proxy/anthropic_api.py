@@ -23,6 +23,7 @@ from typing import Any
 from legorl.proxy.core import CallResult, ChatRequest
 from legorl.proxy.openai_api import dumps
 from legorl.proxy.validate import (
+    INT64_MAX,
     BadRequest,
     check_types,
     json_schema,
@@ -197,7 +198,7 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, Anthropic
         raise BadRequest("stop_sequences: expected an array of strings", "stop_sequences")
     temperature = opt_num(body, "temperature", lo=0.0, hi=1.0)
     top_p = opt_num(body, "top_p", lo=0.0, hi=1.0, lo_open=True)
-    top_k = opt_int(body, "top_k", lo=0)
+    top_k = opt_int(body, "top_k", lo=0, hi=INT64_MAX)
     stream = opt_bool(body, "stream")
     check_types(body, _IGNORED_TYPES)
     req = ChatRequest(

@@ -19,6 +19,8 @@ from typing import Any
 from legorl.proxy.core import CallResult, ChatRequest
 from legorl.proxy.render import ChatRenderer
 from legorl.proxy.validate import (
+    INT64_MAX,
+    INT64_MIN,
     BadRequest,
     check_types,
     json_schema,
@@ -186,8 +188,8 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, OpenAIOpt
         raise BadRequest("stop: expected a string or an array of strings", "stop")
     temperature = opt_num(body, "temperature", lo=0.0, hi=2.0)
     top_p = opt_num(body, "top_p", lo=0.0, hi=1.0, lo_open=True)
-    top_k = opt_int(body, "top_k")
-    seed = opt_int(body, "seed")
+    top_k = opt_int(body, "top_k", hi=INT64_MAX)
+    seed = opt_int(body, "seed", lo=INT64_MIN, hi=INT64_MAX)
     logprobs = opt_bool(body, "logprobs")
     opt_list(body, "modalities")
     check_types(body, _IGNORED_TYPES)

@@ -10,6 +10,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# Integers the engines take as 64-bit (seeds, top_k): anything wider is the client's error, never
+# an engine failure (which would mark the session's trial as infrastructure).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
