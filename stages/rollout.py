@@ -22,6 +22,7 @@ import contextlib
 import json
 import re
 import shutil
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -412,7 +413,7 @@ class TrialRunner:
             if alive:
                 try:
                     patch = box.patch()
-                except LegorlError as exc:  # the agent can break its own repository
+                except (LegorlError, subprocess.TimeoutExpired) as exc:  # the agent can break (or bloat) its repo
                     patch_error = _line(exc)
             timings.patch_s = time.monotonic() - t2
             if listener is not None:  # nothing reaches the session from the container any more
