@@ -103,6 +103,9 @@ class Run:
             return f"the test runner wrote no report (exit {code})"
         if self.report.get("nonce") != report_nonce:
             return "the test report does not carry this grade's nonce"
+        tampered = self.report.get("tampered")
+        if tampered:
+            return f"the code under test rewired the test runner ({', '.join(map(str, tampered))[:300]})"  # type: ignore[call-overload]
         if self.report.get("exitstatus") != code:
             return f"the test process exited {code} but pytest's session ended with {self.report.get('exitstatus')}"
         if code not in (0, 1, 2):  # 2: collection errors; 3 internal error, 4 usage error, 5 no tests

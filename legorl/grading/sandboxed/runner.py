@@ -13,7 +13,8 @@ read-only folder outside the tree. In order:
    would;
 4. it runs ``pytest.main`` with a recorder plugin that takes each test's status from pytest's own
    reports and writes them, with the nonce and pytest's exit status, to the report file when the
-   session ends. The grading script, not this process, then reads the file and checks the exit
+   session ends — and with the runner's functions and classes that the code under test swapped
+   (compared by identity with a snapshot taken before the repository was importable). The grading script, not this process, then reads the file and checks the exit
    status it saw against the one reported.
 
 Usage: ``python3 -I runner.py REPORT_PATH [pytest args...] < nonce``. Python 3.8+.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from typing import Any
 
 SEVERITY = {"PASSED": 0, "XPASS": 1, "XFAIL": 1, "SKIPPED": 2, "FAILED": 3, "ERROR": 4}
@@ -69,12 +71,78 @@ def status_of(report: object) -> str | None:
     return None
 
 
+RUNNER_PACKAGES = ("_pytest", "pytest", "pluggy")
+_MISSING = object()
+
+
+def runner_objects() -> dict[tuple[str, ...], object]:
+    """Every function and class of the runner's modules, and the methods of those classes.
+
+    Taken before the repository is importable and compared (by identity) after collection and at
+    the end of the session: code under test that swaps any of them has rewired the runner.
+    """
+    out: dict[tuple[str, ...], object] = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or name.split(".")[0] not in RUNNER_PACKAGES:
+            continue
+        for attr, value in list(vars(mod).items()):
+            if isinstance(value, type) and getattr(value, "__module__", "").split(".")[0] in RUNNER_PACKAGES:
+                out[(name, attr)] = value
+                for key, member in list(vars(value).items()):
+                    if callable(member) or isinstance(member, (staticmethod, classmethod, property)):
+                        out[(name, attr, key)] = member
+            elif callable(value):
+                out[(name, attr)] = value
+    return out
+
+
+def _runner_code(value: object) -> bool:
+    """Whether ``value`` is defined by the runner's own packages (pytest's plugins patch pytest too)."""
+    for attr in ("fget", "__func__"):  # property, staticmethod, classmethod
+        value = getattr(value, attr, None) or value
+    module = getattr(value, "__module__", None)
+    return isinstance(module, str) and module.split(".")[0] in RUNNER_PACKAGES
+
+
+def changed_objects(before: dict[tuple[str, ...], object]) -> list[str]:
+    """The runner objects that were replaced by (or removed for) something not of the runner's own."""
+    out = []
+    for key, value in before.items():
+        holder: object = sys.modules.get(key[0], _MISSING)
+        for part in key[1:]:
+            holder = vars(holder).get(part, _MISSING) if holder is not _MISSING else _MISSING
+        if holder is not value and (holder is _MISSING or not _runner_code(holder)):
+            out.append(".".join(key))
+    return out
+
+
+def foreign_plugins(config: object, tree: str) -> list[str]:
+    """Plugins registered from the tree other than its conftest files (which the judge keeps pristine)."""
+    out = []
+    manager = getattr(config, "pluginmanager", None)
+    for plugin in list(manager.get_plugins()) if manager is not None else []:
+        module = plugin if isinstance(plugin, types.ModuleType) else sys.modules.get(type(plugin).__module__)
+        path = str(getattr(module, "__file__", "") or "")
+        if path.startswith(tree + os.sep) and os.path.basename(path) != "conftest.py":
+            out.append(f"plugin {path[len(tree) + 1:]}")
+    return out
+
+
 class Recorder:
-    def __init__(self, nonce: str, path: str) -> None:
-        self.nonce, self.path = nonce, path
+    def __init__(self, nonce: str, path: str, pristine: dict[tuple[str, ...], object]) -> None:
+        self.nonce, self.path, self.pristine = nonce, path, pristine
         self.statuses: dict[str, str] = {}
         self.collect_errors = 0
         self.collected = 0
+        self.tampered: list[str] = []
+
+    def _check(self, session: object) -> None:
+        if not self.tampered:
+            found = changed_objects(self.pristine) + foreign_plugins(getattr(session, "config", None), os.getcwd())
+            self.tampered = found[:20]
+
+    def pytest_collection_finish(self, session: object) -> None:
+        self._check(session)  # the package under test has been imported by now
 
     def pytest_collectreport(self, report: object) -> None:
         if getattr(report, "failed", False):
@@ -93,8 +161,10 @@ class Recorder:
             self.statuses[nodeid] = status
 
     def pytest_sessionfinish(self, session: object, exitstatus: object) -> None:
+        self._check(session)
         data = {"nonce": self.nonce, "exitstatus": int(exitstatus),  # type: ignore[call-overload]
-                "collected": self.collected, "collect_errors": self.collect_errors, "statuses": self.statuses}
+                "collected": self.collected, "collect_errors": self.collect_errors, "statuses": self.statuses,
+                "tampered": self.tampered}
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
@@ -113,7 +183,8 @@ def main() -> None:
     sys.path[0:0] = [os.getcwd(), *extra]
     import pytest
 
-    code = pytest.main(args, plugins=[Recorder(nonce, report_path), *plugins])
+    recorder = Recorder(nonce, report_path, runner_objects())
+    code = pytest.main(args, plugins=[recorder, *plugins])
     sys.stdout.flush()
     sys.exit(int(code))
 
