@@ -76,6 +76,8 @@ CASES = {
     "helper_mod.py": ("import pytest\n", "new module outside any package"),
     "src/pkg/test_util.py": ("import pytest\n", "test file"),
     ".git/hooks/post-checkout": ("#!/bin/sh\n", "git metadata"),
+    "src/pkg/_speedups.abi3.so": ("\x7fELF fake", "native code"),
+    "src/pkg/helper.bin": ("\x7fELF\x02\x01", "native code"),
     "src/pkg/.git/config": ("[core]\n", "git metadata"),
 }
 

@@ -10,7 +10,8 @@ This is the one place these rules live (docs/threat-model.md points here):
 - ``.git`` anywhere (the repository's own history is outside the tree while patches apply);
 - the hidden test files (what the task's test_patch touches), their parent directories, and every
   file under a test directory that holds one;
-- symbolic links and special files the patch made;
+- symbolic links and special files the patch made, and native code (shared libraries,
+  executables: code that no screen can read);
 - files the test runner or the interpreter reads on its own: ``conftest.py``, pytest's and the
   shared config files (``pytest.ini``, ``tox.ini``, ``setup.cfg``, ``pyproject.toml``, ...),
   ``sitecustomize``/``usercustomize``, ``.pth``, compiled bytecode, packaging metadata
@@ -46,6 +47,8 @@ RUNNER_CONFIGS = frozenset({"pytest.ini", ".pytest.ini", "pytest.toml", ".pytest
 SITE_HOOKS = frozenset({"sitecustomize.py", "usercustomize.py"})
 METADATA_SUFFIXES = (".dist-info", ".egg-info", ".egg-link", ".egg")
 MODULE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".so", ".pyd")
+NATIVE_SUFFIXES = (".so", ".pyd", ".dylib", ".dll", ".o", ".a")
+NATIVE_MAGIC = (b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"\xca\xfe\xba\xbe")
 TEST_DIR_PREFIX = "test"  # directories named test, tests, testing, test_utils, ...
 MAX_ENTRIES = 200_000
 MAX_SCREEN_BYTES = 2_000_000
@@ -109,6 +112,16 @@ def _read(path: str) -> bytes:
         os.close(fd)
 
 
+def _is_native(path: str) -> bool:
+    """An executable or a shared library (it runs code no screen reads), by its first bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        head = os.read(fd, 4)
+    finally:
+        os.close(fd)
+    return head.startswith(NATIVE_MAGIC)
+
+
 def changed_paths(tree: str, pristine: str, now: dict, before: dict) -> list[str]:
     out = []
     for rel in sorted(set(now) | set(before)):
@@ -168,6 +181,8 @@ class Rules:
             return "interpreter hook"
         if name.endswith((".pyc", ".pyo")) or "__pycache__" in parts:
             return "compiled bytecode"
+        if kind == "f" and (name.endswith(NATIVE_SUFFIXES) or _is_native(os.path.join(self.tree, rel))):
+            return "native code"
         if any(p.endswith(METADATA_SUFFIXES) for p in parts):
             return "package metadata"
         if name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")):
