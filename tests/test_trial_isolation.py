@@ -255,6 +255,40 @@ def test_host_run_harness_commands_have_no_network(tiny_model: Path, base_image:
 # --------------------------------------------------------------------------- no container needed
 
 
+@pytest.mark.parametrize("name", ["mini-swe-agent", "openhands", "opencode", "claude-code", "simple"])
+def test_every_harness_sandbox_has_no_network(name: str, tmp_path: Path) -> None:
+    """The podman arguments rollout starts each harness's trial container with: no network at
+    all; an in-container harness gets the channel (read-only) and the relay as main process."""
+    from legorl.harnesses import get
+    from legorl.harnesses.channel import ProxyChannel
+    from legorl.harnesses.install import installed
+    from legorl.sandbox.podman import PodmanBackend
+    from legorl.stages.rollout import TrialJob, TrialRunner
+
+    harness = get(name)
+    if harness.in_container and installed(name) is None:
+        pytest.skip(f"{name} is not installed (legorl harness install {name})")
+    run = tmp_path / "run"
+    import_one(run, tmp_path)
+    [task] = shards.read_rows(run / "tasks", Kind.TASKS)
+    runner = TrialRunner(RolloutConfig(run=run, harnesses=[name]), proxy=None, create=lambda spec: None)  # type: ignore[arg-type]
+    channel = ProxyChannel.create() if harness.in_container else None
+    try:
+        spec = runner.sandbox_spec(TrialJob(task, name, 0), "key", harness, tmp_path, channel)
+        args = PodmanBackend().run_args(spec, "x")
+    finally:
+        if channel is not None:
+            channel.close()
+    assert args[args.index("--network") + 1] == "none" and args.count("--network") == 1
+    assert not any(a.startswith(("--net=", "--network=", "--add-host", "--dns")) or "slirp" in a for a in args)
+    if channel is not None:
+        assert f"{channel.host_dir}:{CONTAINER_DIR}:ro" in args
+        assert args[-len(channel.command):] == list(channel.command)
+    else:
+        assert "-v" not in args  # nothing of the host mounted: the harness runs there, not here
+        assert args[-2:] == ["sleep", "infinity"]
+
+
 def _listen(path: Path, handle: ProxyHandle, sid: str) -> Callable[[], None]:
     sock = handle.serve_session(sid, path)
     return sock.close
