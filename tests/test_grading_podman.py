@@ -260,3 +260,84 @@ def test_unseen_task_in_the_documented_format(base_image: str, tmp_path: Path) -
                                                             ["tests/test_clamp.py::test_low"])
     assert checked.gold_status_map() == {"tests/test_clamp.py::test_mid": "PASSED",
                                          "tests/test_clamp.py::test_low": "PASSED"}
+
+
+REWIRE_REPORTS = """import _pytest.reports as _r
+_orig = _r.TestReport.from_item_and_call.__func__
+def _fake(cls, item, call):
+    rep = _orig(cls, item, call)
+    rep.outcome, rep.longrepr = 'passed', None
+    return rep
+_r.TestReport.from_item_and_call = classmethod(_fake)
+"""
+WRAP_CALL_AND_REPORT = """import _pytest.runner as _r
+_orig = _r.call_and_report
+def _fake(item, when, log=True, **kw):
+    rep = _orig(item, when, log=False, **kw)
+    rep.outcome = 'passed'
+    item.ihook.pytest_runtest_logreport(report=rep)
+    return rep
+_r.call_and_report = _fake
+"""
+PLUGIN_THROUGH_GC = """import gc
+for _o in gc.get_objects():
+    if type(_o).__name__ == 'Config' and hasattr(_o, 'pluginmanager'):
+        import pytest as _pt
+        class _P:
+            @_pt.hookimpl(hookwrapper=True)
+            def pytest_runtest_makereport(self, item, call):
+                out = yield
+                out.get_result().outcome = 'passed'
+        _o.pluginmanager.register(_P(), 'evil')
+        break
+"""
+REWRITE_LATER_TESTS = """import os
+_body = 'import unittest\\n\\nclass TTLCacheTest(unittest.TestCase):\\n' + ''.join(
+    '    def %s(self):\\n        pass\\n' % n for n in NAMES)
+for _p in ('tests/test_ttl.py', 'tests/__pycache__/test_ttl.cpython-311-pytest-7.2.1.pyc', 'src/zoneinfo.py'):
+    try:
+        os.makedirs(os.path.dirname(_p), exist_ok=True)
+        with open(_p, 'w') as _f:
+            _f.write(_body)
+    except OSError:
+        pass
+"""
+
+
+def _append(task: TaskRow, path: str, code: str) -> str:
+    """A diff that appends ``code`` to ``path`` of the task's testbed."""
+    from legorl.sandbox.testbed import prepare_repo
+
+    repo, _ = prepare_repo(task.repo_source or "", task.repo_ref or task.base_commit or "")
+    lines = (repo / path).read_text().splitlines()
+    body = "".join(f"+{line}\n" for line in code.splitlines())
+    return (f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n"
+            f"@@ -{len(lines)},1 +{len(lines)},{1 + len(code.splitlines())} @@\n {lines[-1]}\n{body}")
+
+
+def test_in_process_attacks_fail_without_the_screen(base_image: str, shipped: dict[str, TaskRow]) -> None:
+    """Code under test that rewires pytest in its own process, or rewrites a test module pytest has not
+    read yet, gets 0 even with the suspicious-code screen's zeroing off: the runner's identity check
+    and the read-only tree stop them, not the screen."""
+    task = TaskRow.from_dict(shipped["cachetools__compare-0bc4b363"].to_dict())
+    # a variant whose failing tests all live in the second file, so that the package (imported while
+    # the first is collected) could rewrite them before pytest reads them, were the tree writable
+    gold = task.gold_status_map() or {}
+    task.FAIL_TO_PASS = [t for t in task.FAIL_TO_PASS if t.startswith("tests/test_ttl.py::")]
+    task.PASS_TO_PASS = []
+    task.test_command = (task.test_command or "").replace("tests/test_func.py", "tests/test_cache.py")
+    task.gold_statuses = json.dumps({t: gold[t] for t in task.FAIL_TO_PASS})
+    names = sorted({t.rsplit("::", 1)[1] for t in task.FAIL_TO_PASS})
+    grader = Grader(GradeOptions(test_timeout=120, suspicious_scores_zero=False))
+    assert grader.grade(task, task.patch).reward == 1.0
+    attacks = {"rewire TestReport": REWIRE_REPORTS, "wrap call_and_report": WRAP_CALL_AND_REPORT,
+               "plugin through gc": PLUGIN_THROUGH_GC,
+               "rewrite later tests": f"NAMES = {names!r}\n" + REWRITE_LATER_TESTS}
+    for name, code in attacks.items():
+        row = grader.grade(task, _append(task, "src/cachetools/__init__.py", code), f"attack/{name}")
+        assert (row.reward, row.infra_failure) == (0.0, False), f"{name}: {row.status} {row.error}"
+        assert row.suspicious, name  # the screen still saw it, it just did not decide
+        if name == "rewrite later tests":  # the real tests ran and failed
+            assert row.status == "graded" and {t.status for t in row.tests} == {"FAILED"}, row.tests
+        else:
+            assert row.status == "tests_errored" and "rewired the test runner" in (row.error or ""), row.error

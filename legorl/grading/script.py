@@ -9,7 +9,9 @@ size-capped tmpfs mounts, so nothing in it can fill the host's disk):
    ``patch --fuzz=5``, the tree put back between tries), whose processes are then all killed;
 3. :mod:`legorl.grading.sandboxed.judge` (root, ``python3 -I``) compares the tree with the pristine
    copy and undoes what a candidate patch may not change;
-4. the hidden tests go in (root applies ``test_patch``), ``.git`` comes back, and the tests run as
+4. the hidden tests go in (root applies ``test_patch``), ``.git`` comes back, the whole tree is
+   made root's and read-only to everyone else (so the code under test cannot rewrite a test module
+   pytest has not read yet, plant bytecode, or drop a module on ``sys.path``), and the tests run as
    the unprivileged user through :mod:`legorl.grading.sandboxed.runner`, their output going to a
    root-owned file on the size-capped tmpfs; afterwards every process of that user is killed (a
    daemon the tests left cannot hold the grade open) and root prints the output (capped) and the
@@ -42,6 +44,9 @@ RUNNER_DIR = "/tmp/.legorl-runner"  # root-owned, readable: the runner the test 
 REPORT = "/tmp/.legorl-report/report.json"
 TEST_UID = 1777
 APPLY_TIMEOUT_S = 120  # per apply method: a patch that stalls an applier simply does not apply
+# The test user's environment: its own HOME; git may read the (root-owned) repository.
+TEST_ENV = ("HOME=/tmp/.legorl-home GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=safe.directory GIT_CONFIG_VALUE_0='*' "
+            "GIT_CONFIG_GLOBAL=/dev/null")
 MAX_TEST_OUTPUT = 20_000_000  # bytes of test output that reach the host; the rest is cut
 START_MARKER = ">>>>> Start Test Output"  # SWE-bench's markers, for its tools
 END_MARKER = ">>>>> End Test Output"
@@ -99,11 +104,11 @@ def grading_script(nonce: str, report_nonce: str, *, has_patch: bool, has_test_p
     pytest = parse_pytest_command(command)
     if pytest is not None:
         env = " ".join(q(e) for e in pytest.env)
-        run = (f"env HOME=/tmp/.legorl-home {env} {q(pytest.python)} -I {RUNNER_DIR}/runner.py {REPORT} "
+        run = (f"env {TEST_ENV} {env} {q(pytest.python)} -I {RUNNER_DIR}/runner.py {REPORT} "
                + " ".join(q(a) for a in pytest.args))
         mode = "runner"
     else:
-        run = f"env HOME=/tmp/.legorl-home bash -c {q(command)}"
+        run = f"env {TEST_ENV} bash -c {q(command)}"
         mode = "shell"
     apply_block = ""
     if has_patch:
@@ -154,7 +159,7 @@ ev judged "$(printf %s "$J" | base64 -w0)"
 cd /testbed || exit 0
 {test_patch_block}if [ -d $W/git ]; then mv $W/git /testbed/.git; fi
 rm -rf $W/pristine
-chown -R $U:$U /testbed
+chown -R 0:0 /testbed && chmod -R go-w,a+rX /testbed || {{ ev infra "cannot seal the testbed"; exit 0; }}
 mkdir -p /tmp/.legorl-home /tmp/.legorl-report {RUNNER_DIR} && cp $W/runner.py {RUNNER_DIR}/ \\
   && chmod 755 {RUNNER_DIR} && chmod 644 {RUNNER_DIR}/runner.py && chown $U:$U /tmp/.legorl-home /tmp/.legorl-report \\
   && chmod 700 /tmp/.legorl-report || {{ ev infra "cannot prepare the test run"; exit 0; }}
