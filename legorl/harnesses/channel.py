@@ -49,7 +49,8 @@ class ProxyChannel:
     @classmethod
     def create(cls) -> ProxyChannel:
         """A fresh folder for one trial (short: a unix socket path holds at most 107 bytes)."""
-        host_dir = Path(tempfile.mkdtemp(prefix="legorl-proxy-"))
+        base = tempfile.gettempdir()
+        host_dir = Path(tempfile.mkdtemp(prefix="legorl-proxy-", dir=base if len(base) <= 64 else "/tmp"))
         shutil.copy(RELAY, host_dir / "relay.py")
         return cls(host_dir)
 
