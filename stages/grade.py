@@ -52,7 +52,8 @@ class GradeSummary:
             "wall_s": round(self.wall_s, 3),
             "grades": [{"trial_id": r.trial_id, "task_id": r.task_id, "status": r.status, "reward": r.reward,
                         "resolution": r.resolution, "dropped_paths": r.dropped_paths, "apply_method": r.apply_method,
-                        "duration_s": r.duration_s, "error": r.error} for r in self.rows],
+                        "suspicious": r.suspicious, "control": r.control, "duration_s": r.duration_s,
+                        "error": r.error} for r in self.rows],
         }
 
 

@@ -8,7 +8,7 @@ The JSON form is for scripts; its keys are stable:
 
 ``breakdown`` depends on the kind: tasks ``{"repos": {repo: n}}``; rollouts ``{"outcomes",
 "harnesses", "steps", "infra_failures", "sampled_tokens", "segments"}``; grades ``{"statuses",
-"resolved", "reward_mean", "infra_failures"}``; metrics ``{"steps", "keys", "last": {key: value}}``.
+"resolved", "reward_mean", "infra_failures", "suspicious"}``; metrics ``{"steps", "keys", "last": {key: value}}``.
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
             "resolved": int(pc.sum(pc.fill_null(t.column("resolved"), False)).as_py() or 0),
             "reward_mean": reward,
             "infra_failures": int(pc.sum(t.column("infra_failure")).as_py() or 0),
+            # grades whose patch added code that reaches into the test runner (whatever they scored)
+            "suspicious": int(pc.sum(pc.greater(pc.fill_null(pc.list_value_length(t.column("suspicious")), 0), 0))
+                              .as_py() or 0),
         }
     steps = sorted(set(t.column("step").to_pylist()))
     last: dict[str, Any] = {}
