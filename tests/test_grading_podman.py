@@ -341,3 +341,49 @@ def test_in_process_attacks_fail_without_the_screen(base_image: str, shipped: di
             assert row.status == "graded" and {t.status for t in row.tests} == {"FAILED"}, row.tests
         else:
             assert row.status == "tests_errored" and "rewired the test runner" in (row.error or ""), row.error
+
+
+def test_task_image_with_its_own_testbed(base_image: str, tmp_path: Path) -> None:
+    """A SWE-bench-style task: no repo_source, the image holds /testbed (with history) — gold 1,
+    no-op 0, a conftest attack 0, and the image's .git is back for the tests but out of the patch's reach."""
+    from legorl.sandbox.host import run_podman
+
+    ctx = tmp_path / "ctx"
+    (ctx / "testbed" / "tests").mkdir(parents=True)
+    (ctx / "testbed" / "calc.py").write_text("def double(x):\n    return x + x + 1\n")
+    (ctx / "testbed" / "tests" / "test_calc.py").write_text("from calc import double\n\ndef test_zero():\n"
+                                                            "    assert double(0) in (0, 1)\n")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=ctx / "testbed",
+                              check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "buggy")
+    (ctx / "testbed" / "calc.py").write_text("def double(x):\n    return x + x\n")
+    gold = git("diff")
+    git("checkout", "-q", ".")
+    (ctx / "testbed" / "tests" / "test_calc.py").write_text(
+        "import subprocess\nfrom calc import double\n\ndef test_zero():\n    assert double(0) in (0, 1)\n\n"
+        "def test_two():\n    assert double(2) == 4\n\ndef test_git_is_there():\n"
+        "    assert subprocess.run(['git', 'log', '-1'], capture_output=True).returncode == 0\n")
+    test_patch = git("diff")
+    git("checkout", "-q", ".")
+    (ctx / "Containerfile").write_text(f"FROM {base_image}\nCOPY testbed /testbed\n")
+    image = f"localhost/legorl-test-own-testbed:{os.getpid()}"
+    run_podman(["build", "-q", "-t", image, str(ctx)], timeout=300)
+    try:
+        task = TaskRow(instance_id="acme__calc-1", repo="acme/calc", patch=gold, test_patch=test_patch,
+                       FAIL_TO_PASS=["tests/test_calc.py::test_two"],
+                       PASS_TO_PASS=["tests/test_calc.py::test_zero", "tests/test_calc.py::test_git_is_there"],
+                       image=image, test_command="python3 -m pytest -rA -p no:cacheprovider tests/test_calc.py")
+        grader = Grader(GradeOptions(test_timeout=120))
+        good = grader.grade(task, gold)
+        assert (good.reward, good.status) == (1.0, "graded"), (good.error, good.log)
+        assert grader.grade(task, _noop_patch(task)).reward == 0.0
+        attack = _new_file("conftest.py", ATTACK_PLUGIN)
+        row = grader.grade(task, attack)
+        assert (row.reward, row.infra_failure, row.dropped_paths) == (0.0, False, ["conftest.py"])
+    finally:
+        run_podman(["rmi", "-f", image], timeout=120, check=False)
