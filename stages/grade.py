@@ -71,7 +71,12 @@ def prediction_jobs(path: Path, tasks: dict[str, TaskRow]) -> list[Job]:
         raise LegorlError(f"{path}: cannot read predictions ({exc.strerror})") from exc
     try:
         data = json.loads(text)
-        items = list(data.values()) if isinstance(data, dict) else data
+        # one object: a single prediction (a one-line JSONL file), or predictions keyed by instance id
+        items = [data] if isinstance(data, dict) and "instance_id" in data else (
+            list(data.values()) if isinstance(data, dict) else data)
+        if not isinstance(items, list):
+            raise LegorlError(f"{path}: expected predictions (a JSON list, object or JSON lines), "
+                              f"got a JSON {type(items).__name__}")
     except json.JSONDecodeError:
         try:
             items = [json.loads(line) for line in text.splitlines() if line.strip()]
