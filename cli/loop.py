@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
+from legorl import metric_keys as mk
 from legorl.cli.common import JsonOption, RunOption, console, fail, print_json
 
 
@@ -90,7 +91,7 @@ def register(app: typer.Typer) -> None:
                 asyncio.run(engine.load_weights(str(result.checkpoint)))
                 record = {
                     "step": step, "new_trials": len(rolled.rows), "new_grades": len(graded.rows),
-                    "reward_mean": result.metrics.get("reward/mean"), "checkpoint": str(result.checkpoint),
+                    "reward_mean": result.metrics.get(mk.REWARD_MEAN), "checkpoint": str(result.checkpoint),
                     "rollout_s": round(t1 - t0, 1), "grade_s": round(t2 - t1, 1), "train_s": round(t3 - t2, 1),
                 }
                 history.append(record)

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from legorl import metric_keys as mk
 from legorl.cli.common import JsonOption, RunOption, console, print_json
 
 
@@ -85,9 +86,9 @@ def register(app: typer.Typer) -> None:
             f"step {result.step}: {result.trials} trials, {result.sequences} sequences, {result.updates} updates"
             f" -> {result.checkpoint}"
         )
-        shown = ["reward/mean", "solve_rate", "groups/zero_variance_share", "loss", "entropy",
-                 "fidelity/logprob_pearson", "fidelity/mismatch_kl", "is/ess", "clip_fraction", "grad_norm",
-                 "perf/tokens_per_s"]
+        shown = [mk.REWARD_MEAN, mk.SOLVE_RATE, mk.ZERO_VARIANCE_SHARE, mk.LOSS, mk.ENTROPY,
+                 mk.LOGPROB_PEARSON, mk.MISMATCH_KL, mk.IS_ESS, mk.CLIP_FRACTION, mk.GRAD_NORM,
+                 mk.PERF_TOKENS_PER_S]
         console.print("  " + "  ".join(f"{k}={m[k]:.4g}" for k in shown if k in m), highlight=False)
         if result.dropped:
             console.print(f"  dropped: {result.dropped}", highlight=False)

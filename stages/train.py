@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from legorl import metric_keys as mk
 from legorl.errors import LegorlError
 from legorl.paths import RunDir
 from legorl.training.advantages import group_advantages
@@ -100,19 +101,19 @@ def prepare(data: StepData, config: TrainConfig) -> MetricsRecorder:
 
     recorder = MetricsRecorder()
     recorder.update({
-        "groups/count": stats.groups,
-        "groups/zero_variance_share": stats.zero_variance_share,
-        "trials/count": len(data.trials),
-        "trials/dropped_infra": data.dropped["rollout_infra_failure"] + data.dropped["grade_infra_error"],
-        "segments/count": len(data.sequences),
-        "tokens/sampled": sum(s.n_sampled for s in data.sequences),
-        "tokens/total": sum(len(s) for s in data.sequences),
+        mk.GROUPS_COUNT: stats.groups,
+        mk.ZERO_VARIANCE_SHARE: stats.zero_variance_share,
+        mk.TRIALS_COUNT: len(data.trials),
+        mk.TRIALS_DROPPED_INFRA: data.dropped["rollout_infra_failure"] + data.dropped["grade_infra_error"],
+        mk.SEGMENTS_COUNT: len(data.sequences),
+        mk.TOKENS_SAMPLED: sum(s.n_sampled for s in data.sequences),
+        mk.TOKENS_TOTAL: sum(len(s) for s in data.sequences),
     })
     for harness in [None, *harness_split(t.harness for t in data.trials)]:
         trials = [t for t in data.trials if harness is None or t.harness == harness]
         recorder.update({
-            "reward/mean": sum(t.reward for t in trials) / len(trials),
-            "solve_rate": sum(t.resolved for t in trials) / len(trials),
+            mk.REWARD_MEAN: sum(t.reward for t in trials) / len(trials),
+            mk.SOLVE_RATE: sum(t.resolved for t in trials) / len(trials),
         }, harness)
     return recorder
 
@@ -177,10 +178,10 @@ def run_train(
 
     recorder.merge(trainer.recorder)
     recorder.update({
-        "perf/tokens_per_s": trainer.trained_tokens / wall if wall > 0 else 0.0,
-        "perf/padding_waste": 1.0 - trainer.trained_tokens / max(trainer.padded_tokens, 1),
-        "perf/wall_s": wall,
-        "updates": float(state.global_step),
+        mk.PERF_TOKENS_PER_S: trainer.trained_tokens / wall if wall > 0 else 0.0,
+        mk.PERF_PADDING_WASTE: 1.0 - trainer.trained_tokens / max(trainer.padded_tokens, 1),
+        mk.PERF_WALL_S: wall,
+        mk.UPDATES: float(state.global_step),
     })
     recorder.write(run.metrics, data.step)
     started_from = str(resume_ckpt or init_from)

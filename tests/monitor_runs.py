@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from legorl import metric_keys as mk
 from legorl import shards
 from legorl.paths import RunDir
 from legorl.schemas import (
@@ -184,17 +185,17 @@ def write_step(run: Path, step: int, harnesses: tuple[str, ...] = HARNESSES[:2],
     shards.write(rd.rollouts, Kind.ROLLOUTS, trials)
     shards.write(rd.grades, Kind.GRADES, grades)
     solved = [g.resolved for g in grades if not g.infra_failure]
-    metrics = {
-        "reward_mean": sum(bool(r) for r in solved) / max(1, len(solved)),
-        "solve_rate": sum(bool(r) for r in solved) / max(1, len(solved)),
-        "zero_variance_share": 0.25 + 0.05 * step,
-        "logprob_pearson": 0.995 - 0.002 * step,
-        "mismatch_kl": 0.0008 + 0.0002 * step,
-        "ess": 0.97 - 0.01 * step,
-        "clip_fraction": 0.01 + 0.005 * step,
-        "entropy": 1.2 - 0.1 * step,
-        "grad_norm": 0.8 + 0.1 * rng.random(),
-        "loss": 0.05 - 0.01 * step,
+    metrics = {  # under the trainer's keys (tests/test_monitor_contract.py checks them against a real run)
+        mk.REWARD_MEAN: sum(bool(r) for r in solved) / max(1, len(solved)),
+        mk.SOLVE_RATE: sum(bool(r) for r in solved) / max(1, len(solved)),
+        mk.ZERO_VARIANCE_SHARE: 0.25 + 0.05 * step,
+        mk.LOGPROB_PEARSON: 0.995 - 0.002 * step,
+        mk.MISMATCH_KL: 0.0008 + 0.0002 * step,
+        mk.IS_ESS: 0.97 - 0.01 * step,
+        mk.CLIP_FRACTION: 0.01 + 0.005 * step,
+        mk.ENTROPY: 1.2 - 0.1 * step,
+        mk.GRAD_NORM: 0.8 + 0.1 * rng.random(),
+        mk.LOSS: 0.05 - 0.01 * step,
     }
     shards.write(rd.metrics, Kind.METRICS,
                  [MetricRow(step, k, v, stage="train", time=1000.0 + step) for k, v in metrics.items()])

@@ -10,6 +10,7 @@ from monitor_runs import make_run, write_step
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
+from legorl import metric_keys as mk
 from legorl.cli.app import app as cli_app
 from legorl.monitor import report
 from legorl.monitor.dashboard.export import export
@@ -34,7 +35,8 @@ def test_overview_has_data_for_every_panel(runs: tuple[Path, Path]) -> None:
     assert sum(sum(v) for v in ov["outcomes"]["categories"].values()) == 64
     assert "infra: rollout" in ov["outcomes"]["categories"]
     assert ov["groups"]["steps"] == [0, 1] and ov["groups"]["all_failed"][0] >= 2  # sympy is never solved
-    assert set(ov["fidelity"]) == {"logprob_pearson", "mismatch_kl", "ess", "clip_fraction", "entropy", "grad_norm", "loss"}
+    assert list(ov["fidelity"]) == list(mk.FIDELITY_PANEL) and ov["fidelity_help"] == mk.FIDELITY_PANEL
+    assert ov["zero_variance_metric"]["all"]["steps"] == [0, 1]
     assert set(ov["behaviour"]["self_verification_rate"]) == {"all", "mini-swe-agent", "openhands"}
     assert len(ov["grid"]["tasks"]) == 4 and ov["grid"]["steps"] == [0, 1]
     assert ov["eval"]["baseline"]["run"] == "other"

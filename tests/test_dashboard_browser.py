@@ -16,10 +16,14 @@ from typing import Any
 
 import pytest
 from monitor_runs import make_run, write_step
+from train_support import trained_run
 
+from legorl import metric_keys as mk
+from legorl import shards
 from legorl.monitor import report
 from legorl.monitor.dashboard.export import export
 from legorl.monitor.dashboard.server import create_app
+from legorl.schemas import Kind
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent / "artifacts" / "dashboard"
@@ -171,3 +175,25 @@ def test_static_export_opens_from_file(browser: Any, tmp_path: Path) -> None:
     _shot(page, "static-export.png")
     assert not errors, errors
     page.close()
+
+
+def test_fidelity_panel_draws_a_real_training_run(browser: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """The metrics of a real `legorl train` step, not hand-written ones, reach the fidelity charts."""
+    run = trained_run(tmp_path / "run", tiny_model)
+    written = {r.key: r.value for r in shards.read_rows(run.metrics, Kind.METRICS) if r.harness is None}
+    with Server([run.root], poll_ms=300) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        errors = _errors(page)
+        page.goto(url)
+        page.wait_for_function("document.body.dataset.trials === '5'", timeout=20000)
+        assert page.locator("#panel-fidelity").get_attribute("data-state") == "ready"
+        shown = page.evaluate(
+            "Array.from(document.querySelectorAll('#fidelity-charts .small')).map(d => "
+            "[d.dataset.key, d.title, (d.data || []).find(t => t.name === 'all').y])"
+        )
+        assert [key for key, _, _ in shown] == list(mk.FIDELITY_PANEL)
+        for key, title, values in shown:
+            assert title == mk.FIDELITY_PANEL[key] and values == [written[key]], key
+        _shot(page, "fidelity-real-run.png", "#panel-fidelity")
+        assert not errors, errors
+        page.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from legorl import metric_keys as mk
 from legorl import shards
 from legorl.demo.sft import FINAL_ANSWER, batch_loss, conversation, examples, render
 from legorl.demo.taskgen import KINDS, generate, write_task_set
@@ -178,4 +179,5 @@ def test_demo_loop_runs_rollout_grade_train_reload(tmp_path: Path, tiny_model: P
     assert info["started_from"].endswith("step-0")
     report = json.loads((run / "report.json").read_text())
     assert [s["step"] for s in report["steps"]] == [0, 1]
+    assert all({mk.LOSS, mk.LOGPROB_PEARSON, mk.MISMATCH_KL, mk.IS_ESS} <= set(s["train_metrics"]) for s in report["steps"])
     assert (run / "report.md").read_text().count("\n| ") == 4  # header, separator, two steps

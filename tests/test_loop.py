@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from legorl import metric_keys as mk
 from legorl import shards
 from legorl.schemas import Kind
 
@@ -63,7 +64,7 @@ def test_loop_trains_and_the_next_step_samples_from_the_new_checkpoint(
         # Only possible when step 0 had no signal to learn from: every group's rewards were equal
         # (the random tiny model rarely edits anything), so every advantage was 0.
         metrics = shards.read_rows(run / "train" / "metrics", Kind.METRICS)
-        assert [m.value for m in metrics if m.step == 0 and m.key == "groups/zero_variance_share"] == [1.0]
+        assert [m.value for m in metrics if m.step == 0 and m.key == mk.ZERO_VARIANCE_SHARE] == [1.0]
 
     # A rerun resumes: nothing left to roll out or grade.
     again = json.loads(legorl(*args).stdout)["steps"]

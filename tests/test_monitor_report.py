@@ -11,6 +11,7 @@ import pytest
 from monitor_runs import make_grade, make_run, make_trial, write_step
 from rich.console import Console
 
+from legorl import metric_keys as mk
 from legorl import shards
 from legorl.errors import LegorlError
 from legorl.monitor import health, report
@@ -125,11 +126,11 @@ def test_health_summary(run: Path) -> None:
     assert summary["trials"] == 64 and summary["steps"] == [0, 1] and summary["tasks"] == 4
     assert summary["infra_failures"] == 4 + 2  # per harness: one rollout failure per step, one grading failure at step 1
     assert summary["pending_grades"] == 0
-    assert summary["fidelity"]["logprob_pearson"] == {"step": 1, "value": pytest.approx(0.993)}
+    assert summary["fidelity"][mk.LOGPROB_PEARSON] == {"step": 1, "value": pytest.approx(0.993)}
     assert 0 <= summary["solve_rate"]["latest"] <= 1
     assert set(summary["behaviour_latest_step"]) >= {"text_only_turn_share", "self_verification_rate"}
     text = _text(health.health_renderable(summary))
-    assert "legorl health" in text and "logprob_pearson" in text and "self_verification_rate" in text
+    assert "legorl health" in text and mk.LOGPROB_PEARSON in text and "self_verification_rate" in text
     json.dumps(summary)  # plain data
 
 
@@ -139,7 +140,7 @@ def test_health_warns_on_text_only_collapse_and_bad_fidelity(tmp_path: Path) -> 
     trials = [make_trial("opencode", "psf__requests-1", 0, s, random.Random(s), "text") for s in range(4)]
     shards.write(rd.rollouts, Kind.ROLLOUTS, trials)
     shards.write(rd.grades, Kind.GRADES, [make_grade(t, False) for t in trials])
-    shards.write(rd.metrics, Kind.METRICS, [MetricRow(0, "logprob_pearson", 0.5), MetricRow(0, "ess", 0.2)])
+    shards.write(rd.metrics, Kind.METRICS, [MetricRow(0, mk.LOGPROB_PEARSON, 0.5), MetricRow(0, mk.IS_ESS, 0.2)])
     warnings = " | ".join(health.health_summary(run)["warnings"])
     assert "text-only" in warnings and "correlate below 0.9" in warnings and "effective sample size" in warnings
     assert "zero reward variance" in warnings  # one group, all failed

@@ -11,6 +11,7 @@ import pytest
 import torch
 from train_support import TrialSpec, make_run
 
+from legorl import metric_keys as mk
 from legorl import shards
 from legorl.errors import LegorlError
 from legorl.paths import RunDir
@@ -127,9 +128,9 @@ def test_loss_matches_independent_computation(
         expected = token_sum / (len(segs) * max(len(s.token_ids) for s in segs))
     assert got == pytest.approx(expected, abs=1e-5)
     # the fixture makes the test meaningful: weights vary and some are truncated, clipping is active
-    assert trainer.recorder.summary()["is/weight_min"] < 1.0 or level == "none"
+    assert trainer.recorder.summary()[mk.IS_WEIGHT_MIN] < 1.0 or level == "none"
     if level == "token":
-        assert trainer.recorder.summary()["is/truncated_frac"] > 0
+        assert trainer.recorder.summary()[mk.IS_TRUNCATED_FRAC] > 0
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dapo"])
@@ -202,17 +203,17 @@ def _metrics(run: RunDir, step: int = 0) -> dict[tuple[str, str | None], float]:
 def test_fidelity_on_fp32_rollouts_and_stage_outputs(exact_run: RunDir, tiny_model: Path) -> None:
     result = run_train(exact_run.root, tiny_model, None, TrainConfig(learning_rate=1e-4))
     m = _metrics(exact_run)
-    print(f"\nfp32 rollouts: pearson={m['fidelity/logprob_pearson', None]:.7f} "
-          f"mismatch_kl={m['fidelity/mismatch_kl', None]:.2e} max|d|={m['fidelity/logprob_abs_diff_max', None]:.2e}")
-    assert m["fidelity/logprob_pearson", None] >= 0.9999
-    assert m["fidelity/mismatch_kl", None] < 1e-6
-    assert m["is/ess", None] == pytest.approx(1.0, abs=1e-5)
-    for key in ("reward/mean", "solve_rate", "groups/zero_variance_share", "loss", "entropy", "grad_norm",
-                "clip_fraction", "is/weight_mean", "perf/tokens_per_s", "fidelity/mismatch_kl_k1"):
+    print(f"\nfp32 rollouts: pearson={m[mk.LOGPROB_PEARSON, None]:.7f} "
+          f"mismatch_kl={m[mk.MISMATCH_KL, None]:.2e} max|d|={m[mk.LOGPROB_ABS_DIFF_MAX, None]:.2e}")
+    assert m[mk.LOGPROB_PEARSON, None] >= 0.9999
+    assert m[mk.MISMATCH_KL, None] < 1e-6
+    assert m[mk.IS_ESS, None] == pytest.approx(1.0, abs=1e-5)
+    for key in (mk.REWARD_MEAN, mk.SOLVE_RATE, mk.ZERO_VARIANCE_SHARE, mk.LOSS, mk.ENTROPY, mk.GRAD_NORM,
+                mk.CLIP_FRACTION, mk.IS_WEIGHT_MEAN, mk.PERF_TOKENS_PER_S, mk.MISMATCH_KL_K1):
         assert (key, None) in m, key
-    assert m["reward/mean", None] == pytest.approx(sum(s.reward or 0 for s in SPECS) / len(SPECS))
-    assert m["trials/count", None] == len(SPECS)
-    assert m["segments/count", None] == len(SPECS) + 1
+    assert m[mk.REWARD_MEAN, None] == pytest.approx(sum(s.reward or 0 for s in SPECS) / len(SPECS))
+    assert m[mk.TRIALS_COUNT, None] == len(SPECS)
+    assert m[mk.SEGMENTS_COUNT, None] == len(SPECS) + 1
     ckpt = result.checkpoint
     assert ckpt == exact_run.checkpoints / "step-0"
     assert latest_checkpoint(exact_run.checkpoints) == ckpt
@@ -231,10 +232,10 @@ def test_per_harness_metrics(tiny_model: Path, tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", tiny_model, specs)
     run_train(run.root, tiny_model, None, TrainConfig())
     m = _metrics(run)
-    assert m["reward/mean", "mini"] == 0.5
-    assert m["reward/mean", "openhands"] == 1.0
-    assert ("fidelity/logprob_pearson", "openhands") in m
-    assert ("fidelity/logprob_pearson", None) in m
+    assert m[mk.REWARD_MEAN, "mini"] == 0.5
+    assert m[mk.REWARD_MEAN, "openhands"] == 1.0
+    assert (mk.LOGPROB_PEARSON, "openhands") in m
+    assert (mk.LOGPROB_PEARSON, None) in m
 
 
 def test_resume_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:
@@ -269,7 +270,7 @@ def test_resume_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:
     assert nxt.started_from == str(resumed.checkpoint)
     state = torch.load(nxt.checkpoint / "optimizer.pt", weights_only=False)["state"]
     assert {int(s["step"]) for s in state.values()} == {4}
-    assert math.isfinite(nxt.metrics["loss"])
+    assert math.isfinite(nxt.metrics[mk.LOSS])
 
 
 def test_cli_train_json_and_one_line_errors(exact_run: RunDir, tiny_model: Path, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from train_support import TrialSpec, make_run
 
+from legorl import metric_keys as mk
 from legorl import shards
 from legorl.paths import RunDir
 from legorl.schemas import Kind
@@ -15,8 +16,8 @@ from legorl.stages.train import run_train
 from legorl.training.config import TrainConfig
 
 SPECS = [TrialSpec("t1", i, r) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
-SHOWN = ("routing/natural_flip_rate", "routing/effective_flip_rate", "fidelity/logprob_pearson",
-         "fidelity/mismatch_kl", "fidelity/logprob_abs_diff_max")
+SHOWN = (mk.ROUTING_NATURAL_FLIP_RATE, mk.ROUTING_EFFECTIVE_FLIP_RATE, mk.LOGPROB_PEARSON,
+         mk.MISMATCH_KL, mk.LOGPROB_ABS_DIFF_MAX)
 
 
 def _perturbed(model_dir: Path, out: Path, scale: float = 0.03) -> Path:
@@ -54,12 +55,12 @@ def test_replay_side_by_side_on_perturbed_moe(tiny_moe_model: Path, tmp_path: Pa
         print(f"{key:32s}{same[key]:14.6g}{on[key]:14.6g}{off[key]:14.6g}")
 
     # Same weights as the rollout: replay is on by default, nothing to correct.
-    assert same["routing/replay"] == 1.0
-    assert same["fidelity/logprob_pearson"] >= 0.9999
-    assert same["fidelity/mismatch_kl"] < 1e-5
+    assert same[mk.ROUTING_REPLAY] == 1.0
+    assert same[mk.LOGPROB_PEARSON] >= 0.9999
+    assert same[mk.MISMATCH_KL] < 1e-5
     # Perturbed weights: the router would choose differently; with replay no decision flips.
-    assert on["routing/replay"] == 1.0 and off["routing/replay"] == 0.0
-    assert on["routing/natural_flip_rate"] > 0
-    assert on["routing/effective_flip_rate"] == 0.0
-    assert off["routing/effective_flip_rate"] > 0
-    assert on["fidelity/mismatch_kl"] < off["fidelity/mismatch_kl"]
+    assert on[mk.ROUTING_REPLAY] == 1.0 and off[mk.ROUTING_REPLAY] == 0.0
+    assert on[mk.ROUTING_NATURAL_FLIP_RATE] > 0
+    assert on[mk.ROUTING_EFFECTIVE_FLIP_RATE] == 0.0
+    assert off[mk.ROUTING_EFFECTIVE_FLIP_RATE] > 0
+    assert on[mk.MISMATCH_KL] < off[mk.MISMATCH_KL]

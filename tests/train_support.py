@@ -143,3 +143,17 @@ def _segments(
     if parts == 1:
         return [seg(len(ids), 0, "main")]
     return [seg(cut, 0, "main"), seg(len(ids), cut, "rewrite")]
+
+
+def trained_run(run_dir: Path, model_dir: Path, logprob_noise: float = 0.0, is_cap: float = 2.0) -> RunDir:
+    """A run trained one step by the real train stage: two groups over two harnesses, rollouts
+    sampled from ``model_dir`` (logprobs perturbed by ``logprob_noise``), so ``train/metrics/`` holds
+    what ``legorl train`` writes, per harness too."""
+    from legorl.stages.train import run_train
+    from legorl.training.config import TrainConfig
+
+    specs = [TrialSpec("t1", i, r, harness="mini") for i, r in enumerate([1.0, 0.0])]
+    specs += [TrialSpec("t2", i, r, harness="openhands") for i, r in enumerate([1.0, 0.0, 0.0])]
+    run = make_run(run_dir, model_dir, specs, logprob_noise=logprob_noise)
+    run_train(run.root, model_dir, None, TrainConfig(learning_rate=1e-4, is_cap=is_cap))
+    return run

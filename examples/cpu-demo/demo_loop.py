@@ -27,11 +27,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from legorl import metric_keys as mk
 from legorl import shards
 from legorl.paths import RunDir
 from legorl.schemas import Kind
 
 HARNESS = "simple"
+# The trainer's figures each step's record keeps (report.json).
+REPORTED_METRICS = (mk.LOSS, mk.ZERO_VARIANCE_SHARE, mk.ENTROPY, mk.GRAD_NORM, mk.LOGPROB_PEARSON, mk.MISMATCH_KL,
+                    mk.IS_ESS)
 
 
 @dataclass
@@ -166,9 +170,7 @@ def run_loop(cfg: DemoConfig) -> list[StepRecord]:
                 mean_reward=statistics.fmean(rewards) if rewards else 0.0,
                 solve_rate=sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
                 infra=infra, rollout_s=t1 - t0, grade_s=t2 - t1, train_s=t3 - t2, reload_s=t4 - t3,
-                train_metrics={k: v for k, v in result.metrics.items()
-                               if k in ("loss", "groups/zero_variance_share", "entropy", "grad_norm",
-                                        "logprob/pearson", "kl/mismatch")},
+                train_metrics={k: result.metrics[k] for k in REPORTED_METRICS if k in result.metrics},
             )
             records.append(record)
             log(f"step {step}: reward {record.mean_reward:.3f} over {graded} graded trial(s) ({infra} infra); "

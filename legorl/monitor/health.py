@@ -17,10 +17,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from legorl import metric_keys as mk
 from legorl.monitor import behaviour, stats
 from legorl.monitor.loading import RunReader, Snapshot
 
-FIDELITY_KEYS = ("logprob_pearson", "mismatch_kl", "ess", "clip_fraction", "entropy", "grad_norm", "loss")
+# The trainer's figures the summary shows, by their metric keys.
+FIDELITY_KEYS = tuple(mk.FIDELITY_PANEL)
 
 # Behaviour figures the summary shows (all of them are in the dashboard).
 _BEHAVIOUR_HEADLINES = ("turns_per_trial", "tool_calls_per_turn", "text_only_turn_share", "self_verification_rate",
@@ -108,15 +110,22 @@ def warnings(summary: dict[str, Any]) -> list[str]:
          "most turns call no tool: the policy may be collapsing to text-only answers"),
         (("behaviour_latest_step", "budget_cutoff_rate"), lambda v: v > 0.3, "over 30% of trials hit a proxy budget"),
         (("behaviour_latest_step", "parse_errors_per_trial"), lambda v: v > 1, "more than one tool-call parse error per trial"),
-        (("fidelity", "logprob_pearson", "value"), lambda v: v < 0.9,
-         "rollout and trainer logprobs correlate below 0.9: check the engine/trainer match"),
-        (("fidelity", "mismatch_kl", "value"), lambda v: v > 0.01, "mismatch KL above 0.01"),
-        (("fidelity", "ess", "value"), lambda v: v < 0.5, "effective sample size below 0.5"),
     ]
     for path, test, message in checks:
         value = _value(summary, *path)
         if isinstance(value, int | float) and test(value):
             out.append(f"{message} ({'.'.join(path)} = {value:.3g})")
+    fidelity_checks: list[tuple[str, Any, str]] = [
+        (mk.LOGPROB_PEARSON, lambda v: v < 0.9,
+         "rollout and trainer logprobs correlate below 0.9: check the engine/trainer match"),
+        (mk.MISMATCH_KL, lambda v: v > 0.01, "mismatch KL above 0.01"),
+        (mk.IS_ESS, lambda v: v < 0.5, "effective sample size below 0.5"),
+    ]
+    for key, test, message in fidelity_checks:
+        entry = _value(summary, "fidelity", key) or {}
+        value = entry.get("value")
+        if isinstance(value, int | float) and test(value):
+            out.append(f"{message} ({key} = {value:.3g} at step {entry.get('step')})")
     return out
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from legorl import metric_keys as mk
+
 
 @dataclass(frozen=True)
 class WeightStats:
@@ -28,13 +30,13 @@ class WeightStats:
     truncated: float  # share of weights that hit the cap
     ess: float  # effective sample size / n, in (0, 1]
 
-    def as_dict(self, prefix: str = "is/") -> dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return {
-            f"{prefix}weight_mean": self.mean,
-            f"{prefix}weight_min": self.min,
-            f"{prefix}weight_max": self.max,
-            f"{prefix}truncated_frac": self.truncated,
-            f"{prefix}ess": self.ess,
+            mk.IS_WEIGHT_MEAN: self.mean,
+            mk.IS_WEIGHT_MIN: self.min,
+            mk.IS_WEIGHT_MAX: self.max,
+            mk.IS_TRUNCATED_FRAC: self.truncated,
+            mk.IS_ESS: self.ess,
         }
 
 

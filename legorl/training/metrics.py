@@ -1,7 +1,8 @@
 """Training health figures, and the recorder that writes them as ``metrics`` shards (long format).
 
 Fidelity of the trainer to the rollout policy, over sampled tokens, with ``lp_r`` the logprobs the
-engine recorded and ``lp_t`` the trainer's recompute (before the update):
+engine recorded and ``lp_t`` the trainer's recompute (before the update), under the keys of
+:mod:`legorl.metric_keys`:
 
 - ``fidelity/logprob_pearson``: Pearson correlation of ``lp_r`` and ``lp_t`` (1.0 = identical up to
   an affine map; fp32 engine vs fp32 trainer gives ~1.000000, bf16 ~0.99999);
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from legorl import metric_keys as mk
 from legorl import shards
 from legorl.schemas import Kind, MetricRow
 
@@ -33,14 +35,14 @@ def fidelity(trainer_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: tor
         return {}
     d = t - r
     out = {
-        "fidelity/mismatch_kl": float((torch.exp(d) - 1 - d).mean()),
-        "fidelity/mismatch_kl_k1": float((-d).mean()),
-        "fidelity/logprob_abs_diff_max": float(d.abs().max()),
+        mk.MISMATCH_KL: float((torch.exp(d) - 1 - d).mean()),
+        mk.MISMATCH_KL_K1: float((-d).mean()),
+        mk.LOGPROB_ABS_DIFF_MAX: float(d.abs().max()),
     }
     if t.numel() > 1:
         tc, rc = t - t.mean(), r - r.mean()
         denom = math.sqrt(float((tc**2).sum()) * float((rc**2).sum()))
-        out["fidelity/logprob_pearson"] = float((tc * rc).sum()) / denom if denom > 0 else float("nan")
+        out[mk.LOGPROB_PEARSON] = float((tc * rc).sum()) / denom if denom > 0 else float("nan")
     return out
 
 

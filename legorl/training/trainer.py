@@ -33,6 +33,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import identity
 
+from legorl import metric_keys as mk
 from legorl.errors import LegorlError
 from legorl.routing import capture_routing, replay_routing, routing_shape
 from legorl.training.batching import GroupBatchSampler, pad, split
@@ -163,11 +164,11 @@ class SegmentGRPOTrainer(GRPOTrainer):
             self._record(fidelity(old_logps[rows], rollout_logps[rows], mask[rows]), harness)
         if self.uses_routing:
             self._record({
-                "routing/replay": float(self.replay),
-                "routing/natural_flip_rate": watch.flips / max(watch.decisions, 1),
-                "routing/effective_flip_rate": 0.0 if self.replay else watch.flips / max(watch.decisions, 1),
+                mk.ROUTING_REPLAY: float(self.replay),
+                mk.ROUTING_NATURAL_FLIP_RATE: watch.flips / max(watch.decisions, 1),
+                mk.ROUTING_EFFECTIVE_FLIP_RATE: 0.0 if self.replay else watch.flips / max(watch.decisions, 1),
             })
-        self._record({"batch/sequences": float(len(seqs)), "batch/padding_share": float(
+        self._record({mk.BATCH_SEQUENCES: float(len(seqs)), mk.BATCH_PADDING_SHARE: float(
             1.0 - attention_mask.sum().item() / attention_mask.numel())})
 
         output: dict[str, Any] = {
@@ -252,8 +253,8 @@ class SegmentGRPOTrainer(GRPOTrainer):
             if isinstance(value, float) and math.isnan(value):
                 continue
             self.recorder.add(key, float(value))
-            if key == "clip_ratio/region_mean":
-                self.recorder.add("clip_fraction", float(value))
+            if key == mk.TRL_CLIP_RATIO:
+                self.recorder.add(mk.CLIP_FRACTION, float(value))
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
         """When continuing from the previous step's checkpoint, carry its optimizer and LR schedule."""

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from legorl import metric_keys as mk
 from legorl.monitor import behaviour, stats
 from legorl.monitor.behaviour import classify_call
 from legorl.monitor.health import FIDELITY_KEYS, health_summary
@@ -63,8 +64,9 @@ def overview(snap: Snapshot) -> dict[str, Any]:
         "reward": stats.reward_by_step(snap),
         "outcomes": stats.outcomes_by_step(snap),
         "groups": stats.groups_by_step(snap),
-        "zero_variance_metric": metrics.get("zero_variance_share"),
+        "zero_variance_metric": metrics.get(mk.ZERO_VARIANCE_SHARE),
         "fidelity": fidelity,
+        "fidelity_help": {k: mk.FIDELITY_PANEL[k] for k in fidelity},
         "other_metrics": others,
         "behaviour": _behaviour_series(snap),
         "behaviour_help": behaviour.METRICS,

@@ -6,15 +6,6 @@ const CFG = Object.assign({ pollMs: 2000 }, window.LEGORL_CONFIG || {});
 const STATIC = window.LEGORL_STATIC || null;
 const state = { runs: [], overviews: [], fpKey: null, filters: {}, open: null, updated: null, shown: 200 };
 
-const FIDELITY_HELP = {
-  logprob_pearson: "rollout vs trainer logprob correlation",
-  mismatch_kl: "KL(rollout ‖ trainer) on sampled tokens",
-  ess: "effective sample size (normalised)",
-  clip_fraction: "share of tokens clipped",
-  entropy: "policy entropy",
-  grad_norm: "gradient norm",
-  loss: "training loss",
-};
 const CATEGORY_COLORS = {
   "resolved": "#2e9d5b",
   "unresolved: submitted": "#f2a541",
@@ -185,7 +176,7 @@ function renderFidelity(ov) {
   const entries = Object.entries(ov.fidelity);
   setPanel("panel-fidelity", entries.length > 0, "No train/metrics yet (fidelity figures come from the trainer).");
   smallMultiples("fidelity-charts", entries, (k) => k);
-  for (const [k] of entries) { const d = $(`sm-fidelity-charts-${k}`); if (d) d.title = FIDELITY_HELP[k] || k; }
+  for (const [k] of entries) { const d = $(`sm-fidelity-charts-${k}`); if (d) d.title = ov.fidelity_help[k] || k; }
 }
 
 function renderBehaviour(ov) {
