@@ -53,6 +53,14 @@ inproc/settrace-skip-asserts-ct                1      sys.settrace rewrites asse
 inproc/settrace-skip-asserts-sv                1      sys.settrace flips pytest's @py_assert locals
 inproc/neuter-assertEqual                      1      unittest.TestCase.assertEqual = no-op
 inproc/runtime-conftest-reexec                 1      writes conftest.py at import, re-execs pytest
+screen/from-unittest-import-TestCase           1      assertEqual neutered (also 1 on the new grader)
+screen/unspelt-settrace-ct                     1      settrace+ctypes, no line names either (new: 1)
+screen/unspelt-settrace-sv                     1      same on plain asserts (new: 1)
+screen/unicode_escape-settrace-sv              1      the screen reads the escapes, not the code (new: 1)
+screen/utf7-neuter-assertEqual                 1      same with utf-7 (new: 1)
+screen/exec-alias-settrace-sv                  1      ``_run = exec; _run(b64decode(...))`` (new: 1)
+screen/zipimport-neuter-assertEqual            1      the payload is in a zip nobody screens (new: 1)
+screen/line-continuation-neuter                1      ``(_u\\n .TestCase)`` splits the name (new: 1)
 forge/passed-lines-os_exit0                    1      PASSED lines on the real stdout fd, os._exit(0)
 forge/swebench-markers-os_exit0                1      + forged End / Exit Code / Applied markers
 forge/silence-stdout-forge-files-atexit        1      pytest muted, result files and stdout forged
@@ -91,12 +99,19 @@ crash/lone-surrogate                           crash  UnicodeEncodeError writing
 stage (surrogate-in-dropped-conftest)          crash  the grade row's dropped_paths cannot be written
 =============================================  =====  ==============================================
 
-44 attacks scored 1, 9 were labelled infrastructure, 5 crashed ``Grader.grade`` and one more
+52 attacks scored 1, 9 were labelled infrastructure, 5 crashed ``Grader.grade`` and one more
 crashed ``grade_stage`` (the first crash stops the whole stage). ``inproc/kill-parent``,
 ``infra/print-timed-out-marker``, ``infra/memory-bomb`` and ``infra/sleep-past-timeout`` got
 reward 0 as ``test_timeout`` (allowed); everything else got reward 0 as ``graded`` or
 ``patch_apply_failed`` (the old filter dropped conftest.py, pytest.ini, sitecustomize, .pyc, test
 ``__init__.py`` by name and judged tox.ini/setup.cfg/pyproject.toml pytest sections).
+
+Against the rewritten grader (commit 051da6b: tree judge, line screen, isolated runner, gold
+statuses) everything holds except ``inproc/neuter-assertEqual`` and the eight ``screen/*``
+attacks: they make the hidden tests really pass by interpreter surgery the line-by-line screen of
+added ``.py`` lines does not recognise (a name split over lines or string literals, an aliased
+``exec``, a source encoding, a zip on ``sys.path``); the runner cannot tell such a pass from a
+real one.
 
 Timing: one container per grade (~0.5-1 s), graded two at a time in one module fixture
 (:func:`grade_all`); the whole file takes about 95 s on two cores.
@@ -413,6 +428,57 @@ NEUTER_ASSERTS = '''\
 import unittest as _unittest
 
 _unittest.TestCase.assertEqual = lambda self, *a, **k: None
+'''
+
+
+# Screen evasion: the same "make the assertion pass" surgery, spelt so that no line names the
+# runner, sys.settrace, ctypes, f_locals, exec(...) or builtins (a line-by-line screen misses it).
+SETTRACE_UNSPELT = '''\
+def _speedup():
+    import pkgutil
+    from sys import settrace as _watch
+
+    c = pkgutil.resolve_name("c" "types")
+    sync = getattr(c.pythonapi, "PyFrame_" "LocalsToFast")
+
+    def store(frame, name, value):
+        getattr(frame, "f_" "locals")[name] = value
+        sync(c.py_object(frame), c.c_int(0))
+
+    def in_assert_equal(frame, event, arg):
+        names = getattr(frame, "f_" "locals")
+        if event == "line" and "second" in names:
+            store(frame, "first", names["second"])
+        return None
+
+    def in_test(frame, event, arg):
+        if event == "opcode":
+            for name, value in list(getattr(frame, "f_" "locals").items()):
+                if name.startswith("@py_" "assert") and value is False:
+                    store(frame, name, True)
+        return in_test
+
+    def glob(frame, event, arg):
+        code = frame.f_code
+        if event != "call":
+            return None
+        if code.co_name in ("assertEqual", "assertTrue", "assertIs") and code.co_filename.endswith("case.py"):
+            return in_assert_equal
+        if code.co_name.startswith("test") and "/tests/" in code.co_filename:
+            frame.f_trace_opcodes = True
+            return in_test
+        return None
+
+    _watch(glob)
+
+
+_speedup()
+'''
+
+NEUTER_UNSPELT = '''\
+from unittest import TestCase as _TC
+
+_TC.assertEqual = lambda self, *a, **k: None
 '''
 
 ASSERTION_IS_XFAIL = '''\
@@ -1087,6 +1153,27 @@ CRASHERS = {
                                      "--- /dev/null\n+++ b/\udcff/conftest.py\n@@ -0,0 +1 @@\n+x = 1\n",
 }
 
+def _sv_module(name: str, body: str, import_line: str) -> Callable[[Ctx], str]:
+    def build(ctx: Ctx) -> str:
+        t = ctx.trees["sv"]
+        return t.diff({f"src/semver/{name}": body, **t.append("src/semver/__init__.py", import_line)})
+    return build
+
+
+def _exec_alias(code: str) -> str:
+    return f"import base64 as _b\n_run = exec\n_run(_b.b64decode({base64.b64encode(code.encode()).decode()!r}))\n"
+
+
+def _zip_on_path(payload: str) -> Callable[[Ctx], str]:
+    def build(ctx: Ctx) -> str:
+        t = _ct(ctx)
+        code = ("import os as _os, sys as _sys\n"
+                "_sys.path.insert(0, _os.path.join(_os.path.dirname(__file__), '_tables.zip'))\n"
+                "import _cachetools_tables  # noqa\n")
+        return t.diff({"src/cachetools/_tables.zip": _zip("_cachetools_tables.py", payload), **t.append(CT_INIT, code)})
+    return build
+
+
 def _const(patch: str) -> Callable[[Ctx], str]:
     return lambda ctx: patch
 
@@ -1126,6 +1213,18 @@ def attacks() -> list[Attack]:
             ctx.trees["sv"].append("src/semver/__init__.py", SETTRACE))),
         A("inproc/neuter-assertEqual", "ct", _init("ct", NEUTER_ASSERTS)),
         A("inproc/runtime-conftest-reexec", "ct", _runtime_conftest),
+        # the tests really pass; only a screen of the patch can tell, so these dodge a line screen
+        A("screen/from-unittest-import-TestCase", "ct", _init("ct", NEUTER_UNSPELT)),
+        A("screen/unspelt-settrace-ct", "ct", _init("ct", SETTRACE_UNSPELT)),
+        A("screen/unspelt-settrace-sv", "sv", _sv_module("_compat.py", SETTRACE_UNSPELT, "from . import _compat")),
+        A("screen/unicode_escape-settrace-sv", "sv", _sv_module(
+            "_compat.py", unicode_escape_module(SETTRACE), "from . import _compat")),
+        A("screen/utf7-neuter-assertEqual", "ct", _with_ct_module(
+            "_compat.py", utf7_module(NEUTER_ASSERTS), "from . import _compat")),
+        A("screen/exec-alias-settrace-sv", "sv", _sv_module("_compat.py", _exec_alias(SETTRACE), "from . import _compat")),
+        A("screen/zipimport-neuter-assertEqual", "ct", _zip_on_path(NEUTER_ASSERTS)),
+        A("screen/line-continuation-neuter", "ct", _init(
+            "ct", "import unittest as _u\n_tc = (_u\n       .TestCase)\n_tc.assertEqual = lambda self, *a, **k: None\n")),
         A("inproc/kill-parent", "ct", _kill_parent),
         # ---- forged results
         A("forge/passed-lines-os_exit0", "ct", _forge("ct")),
@@ -1306,7 +1405,7 @@ def test_grade_stage_survives_a_nasty_batch(base_image: str, tmp_path: Path) -> 
     from stages.grade import Job, grade_stage
 
     tasks = _load_tasks()
-    trees = {k: Tree(tasks[k], tmp_path / k) for k in ("ct", "pa")}
+    trees = {k: Tree(tasks[k], tmp_path / k) for k in ("ct", "ct-plain", "pa")}
     ctx = Ctx(trees, tasks, tmp_path)
     tasks_dir, out_dir = tmp_path / "tasks", tmp_path / "grades"
     shards.write(tasks_dir, Kind.TASKS, [tasks["ct"], tasks["pa"]])
