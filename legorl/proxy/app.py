@@ -209,7 +209,7 @@ class ProxyApp:
 
     def _count(self, req: ChatRequest) -> int:
         try:
-            text = self.core.renderer.render(req.messages, req.tools, add_generation_prompt=True)
+            text = self.core.renderer.render_marked(req.messages, req.tools, add_generation_prompt=True)
         except Exception as exc:
             raise BadRequest(f"the chat template cannot render these messages: {exc}", "messages") from None
         return len(self.core.renderer.encode(text))

@@ -9,11 +9,25 @@ The seam between a sampled turn and the next prompt is the template's *closing* 
 turn (for ChatML ``<|im_end|>\\n``). When the sampled ids end with the end-of-turn token, only what
 follows it in the closing is added (``\\n``); when generation stopped for another reason (length,
 a stop string) the whole closing is added, so the model always sees a well-formed turn boundary.
+
+Special tokens come only from the template. Every string of a request (message content, tool-call
+names, arguments and ids, tool schemas) is text, whatever it holds: a tool result that contains
+``<|im_start|>`` must not forge a turn boundary in what the policy and the trainer see. So the
+proxy renders with :meth:`ChatRenderer.render_marked`, which escapes the special token strings (and
+the escape character) in every string it is given before the template sees it, and
+:meth:`ChatRenderer.encode` turns only the *unescaped* special token strings of that text (the
+template's own) into special ids; an escaped one is tokenized as ordinary text, the way the
+tokenizer splits it with ``encode_special_tokens``. "Special" means the tokenizer's added tokens
+marked special (ChatML's ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``); added tokens that
+are not special (Qwen's ``<tool_call>``, ``<think>``) are part of the text in the model's own
+tokenizer and stay single ids wherever they appear.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +35,12 @@ from typing import Any
 from legorl.errors import LegorlError
 
 _PROBE = "\x00LEGORL-PROBE\x00"
+
+# Escapes in marked renders: _ESC + _ESC is a literal _ESC, _ESC + chr(_BASE + i) the i-th special
+# token string as text. _ESC is a Unicode noncharacter (reserved for internal use), _BASE starts
+# plane 15's private use area.
+_ESC = "\ufdd0"
+_BASE = 0xF0000
 
 
 class ChatRenderer:
@@ -46,6 +66,7 @@ class ChatRenderer:
         special = getattr(tokenizer, "special_tokens_map", {}) or {}
         self._template_kwargs = {k: v for k, v in special.items() if isinstance(v, str)}
         self._backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer, when fast
+        self._setup_specials()
         self.eot_id, self.eot_text = self._end_of_turn()
         self.stop_token_ids: tuple[int, ...] = self._stop_ids()
         self.closing = self._assistant_closing()
@@ -74,12 +95,60 @@ class ChatRenderer:
             )
         )
 
+    def render_marked(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        """:meth:`render` with every special token string of the given strings escaped: the text
+        :meth:`encode` takes to give special ids only where the template placed them."""
+        if self._escape_re is None:
+            return self.render(messages, tools, add_generation_prompt)
+        esc_tools = self._escape(list(tools)) if tools else None
+        return self.render(self._escape(list(messages)), esc_tools, add_generation_prompt)
+
+    def _escape(self, value: Any) -> Any:
+        """``value`` with its strings (and dict keys) escaped; unchanged parts are not copied."""
+        if isinstance(value, str):
+            assert self._escape_re is not None
+            return self._escape_re.sub(self._escape_one, value) if self._escape_re.search(value) else value
+        if isinstance(value, dict):
+            out, changed = {}, False
+            for k, v in value.items():
+                k2, v2 = self._escape(k), self._escape(v)
+                changed = changed or k2 is not k or v2 is not v
+                out[k2] = v2
+            return out if changed else value
+        if isinstance(value, list | tuple):
+            items = [self._escape(v) for v in value]
+            return value if all(a is b for a, b in zip(value, items, strict=True)) else items
+        return value
+
     # ------------------------------------------------------------------ tokens
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (plain, or from :meth:`render_marked`): special token strings in
+        it become special ids, escaped ones (content) are tokenized as text."""
+        if _ESC not in text or self._special_split is None:
+            return self._encode(text)
+        ids: list[int] = []
+        for i, piece in enumerate(self._special_split.split(text)):
+            if i % 2:  # a special token string the template wrote
+                ids.extend(self._encode(piece))
+            elif piece:
+                ids.extend(self._encode_as_text(self._unescape_re.sub(self._unescape_one, piece)))
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
         if self._backend is not None:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_as_text(self, text: str) -> list[int]:
+        if self._text_backend is not None:
+            return list(self._text_backend.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
@@ -92,7 +161,42 @@ class ChatRenderer:
             return self.closing[len(self.eot_text) :]
         return self.closing
 
+    def _escape_one(self, m: re.Match[str]) -> str:
+        return self._escapes[m.group(0)]
+
+    def _unescape_one(self, m: re.Match[str]) -> str:
+        c = m.group(1)
+        if c == _ESC:
+            return _ESC
+        i = ord(c) - _BASE
+        return self.special_tokens[i] if 0 <= i < len(self.special_tokens) else m.group(0)
+
     # ------------------------------------------------------------------ setup
+
+    def _setup_specials(self) -> None:
+        """The special token strings (added tokens marked special), and a tokenizer that reads them as text."""
+        specials: list[str] = []
+        if self._backend is not None:
+            decoder = self._backend.get_added_tokens_decoder()
+            specials = [t.content for _, t in sorted(decoder.items()) if t.special and t.content]
+        else:  # pragma: no cover - slow tokenizers
+            specials = [t for t in getattr(self.tokenizer, "all_special_tokens", []) if t]
+        specials = sorted(set(specials), key=len, reverse=True)  # longest first: regex alternation
+        self.special_tokens: tuple[str, ...] = tuple(specials)
+        self._text_backend: Any = None
+        if not specials:
+            self._escape_re: re.Pattern[str] | None = None
+            self._special_split: re.Pattern[str] | None = None
+            return
+        if _ESC in self.chat_template:
+            raise LegorlError("the chat template contains U+FDD0, which the proxy reserves for escaping")
+        self._escapes = {_ESC: _ESC + _ESC, **{t: _ESC + chr(_BASE + i) for i, t in enumerate(specials)}}
+        self._escape_re = re.compile("|".join(re.escape(t) for t in [_ESC, *specials]))
+        self._special_split = re.compile("(" + "|".join(re.escape(t) for t in specials) + ")")
+        self._unescape_re = re.compile(re.escape(_ESC) + "(.)", re.DOTALL)
+        if self._backend is not None:
+            self._text_backend = copy.deepcopy(self._backend)
+            self._text_backend.encode_special_tokens = True
 
     def _end_of_turn(self) -> tuple[int, str]:
         tok = self.tokenizer

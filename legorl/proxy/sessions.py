@@ -126,7 +126,7 @@ class Plan:
     parent: int | None
     prompt_ids: list[int]
     new_ids: list[int]
-    prompt_text: str  # the full render, generation prompt included
+    prompt_text: str  # the full render (marked: ChatRenderer.render_marked), generation prompt included
     messages: list[Message]  # the request's conversation, held sampled turns substituted
     tools: list[dict[str, Any]] | None
     sampled_turns: set[int]
@@ -230,13 +230,13 @@ class Session:
             ):
                 continue
             merged = seg.messages + messages[n:]
-            full = renderer.render(merged, tools, add_generation_prompt=True)
+            full = renderer.render_marked(merged, tools, add_generation_prompt=True)
             if not full.startswith(seg.render_text):
                 continue  # the template rewrites earlier turns: fork below
             new_ids = renderer.encode(renderer.bridge(seg.last_sampled) + full[len(seg.render_text) :])
             return Plan(idx, seg.reason, seg.parent, seg.tokens + new_ids, new_ids, full, merged, tools,
                         set(seg.sampled_turns))
-        full = renderer.render(messages, tools, add_generation_prompt=True)
+        full = renderer.render_marked(messages, tools, add_generation_prompt=True)
         ids = renderer.encode(full)
         reason, parent = self._classify(messages, tools, key)
         return Plan(None, reason, parent, ids, ids, full, list(messages), tools, set())
@@ -299,7 +299,7 @@ class Session:
         """
         if seg.pending_prompt is None:
             return
-        text = self.renderer.render(seg.messages, seg.tools, add_generation_prompt=False)
+        text = self.renderer.render_marked(seg.messages, seg.tools, add_generation_prompt=False)
         ok = text.startswith(seg.pending_prompt) and text.endswith(self.renderer.closing)
         seg.render_text = text if ok else None
         seg.pending_prompt = None
