@@ -4,12 +4,15 @@ a session, or be recorded as an engine failure."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from proxy_support import ANTHROPIC_TOOLS, TOOLS, scripted_engine
@@ -146,3 +149,90 @@ def test_template_special_tokens_and_plain_text_encode_as_before(proxy: ProxySer
     assert r.encode(r.render_marked(msgs, None, True)) == r._encode(r.render(msgs, None, True))
     text = "a <|im_end|> b"  # plain text given to encode: its special strings are special ids
     assert r.encode(text) == r._encode(text) and r.eot_id in r.encode(text)
+
+
+# ------------------------------------------------------------------ sampling parameters, NaN logprobs
+
+
+@pytest.fixture(scope="module")
+def real_proxy(tiny_model: Path) -> Iterator[ProxyServer]:
+    from legorl.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(tiny_model)
+    with ProxyServer(engine, tiny_model) as server:
+        yield server
+    asyncio.run(engine.close())
+
+
+def test_tiny_temperatures_are_greedy_and_logprobs_stay_finite(real_proxy: ProxyServer) -> None:
+    msgs = [{"role": "user", "content": "Write a function."}]
+    replies = {}
+    for temperature in (1e-40, 5e-5, 0.0):
+        sid = real_proxy.new_session()
+        r = oa(real_proxy, sid).chat.completions.create(model="m", messages=msgs, max_tokens=12,  # type: ignore[arg-type]
+                                                         temperature=temperature, logprobs=True)
+        lps = [c.logprob for c in r.choices[0].logprobs.content]  # type: ignore[union-attr]
+        seg = real_proxy.capture(sid).segments[0]
+        assert lps and all(math.isfinite(x) for x in lps)
+        assert all(math.isfinite(x) for x in seg.logprobs)
+        replies[temperature] = (seg.token_ids, lps)
+    assert replies[1e-40] == replies[0.0] == replies[5e-5]  # greedy: the same tokens, the same logprobs
+    sid = real_proxy.new_session()
+    with an(real_proxy, sid).messages.stream(model="m", max_tokens=8, messages=msgs,  # type: ignore[arg-type]
+                                            extra_body={"temperature": 1e-40}) as s:
+        s.get_final_message()
+    assert all(math.isfinite(x) for x in real_proxy.capture(sid).segments[0].logprobs)
+
+
+@pytest.mark.parametrize("raw", [b"NaN", b"Infinity", b"-1e-40", b"1e400", b"3"])
+def test_non_finite_or_out_of_range_temperature_is_a_400_naming_it(proxy: ProxyServer, raw: bytes) -> None:
+    sid = proxy.new_session()
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": ' + raw + b"}"
+    r = httpx.post(proxy.openai_base_url(sid) + "/chat/completions", content=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    r = httpx.post(proxy.anthropic_base_url(sid) + "/v1/messages", content=body.replace(b'"model"', b'"max_tokens": 5, "model"'))
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"], r.text
+    assert proxy.capture(sid).calls == []
+
+
+def test_embedded_engine_refuses_temperatures_it_cannot_sample_at(real_proxy: ProxyServer) -> None:
+    from legorl.engines.base import SamplingParams
+    from legorl.errors import ConfigError
+
+    engine = real_proxy.core.engine
+    for t in (1e-40, 5e-5, math.nan, math.inf, -1.0):
+        with pytest.raises(ConfigError, match="temperature"):
+            asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=t)))
+
+
+def test_non_finite_logprobs_from_an_engine_are_an_engine_failure_never_recorded(tokenizer: Any) -> None:
+    engine = scripted_engine(tokenizer)
+    generate, stream = engine.generate, engine.stream
+
+    async def nan_generate(prompt_ids: list[int], params: Any) -> Any:
+        gen = await generate(prompt_ids, params)
+        gen.logprobs = [math.nan] * len(gen.token_ids)
+        return gen
+
+    async def nan_stream(prompt_ids: list[int], params: Any) -> Any:
+        async for chunk in stream(prompt_ids, params):
+            chunk.logprobs = [math.nan] * len(chunk.token_ids)
+            if chunk.final is not None:
+                chunk.final.logprobs = [math.nan] * len(chunk.final.token_ids)
+            yield chunk
+
+    engine.generate, engine.stream = nan_generate, nan_stream  # type: ignore[method-assign,assignment]
+    with ProxyServer(engine, tokenizer) as server:
+        for stream_it in (False, True):
+            sid = server.new_session()
+            client = oa(server, sid)
+            if stream_it:
+                with pytest.raises(openai.APIError):
+                    list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                        stream=True))
+            else:
+                with pytest.raises(openai.InternalServerError):
+                    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            cap = server.capture(sid)
+            assert cap.segments == [] and cap.calls == [] and len(cap.engine_errors) == 1
+            assert "non-finite logprob" in cap.engine_errors[0]

@@ -15,6 +15,12 @@ class PromptTooLong(LegorlError):
     """The prompt leaves no room for a single generated token in the engine's context."""
 
 
+#: The smallest temperature an engine samples at. Logits divided by less can overflow float32
+#: (``1e-40`` turns every logprob into NaN); the proxy treats any temperature in ``(0, MIN_TEMPERATURE)``
+#: as 0 (greedy), as vLLM does below 1e-5, and the embedded engine refuses one.
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 512

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import math
 import queue
 import secrets
 import threading
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from legorl.engines.base import Generation, PromptTooLong, SamplingParams, TokenChunk
+from legorl.engines.base import MIN_TEMPERATURE, Generation, PromptTooLong, SamplingParams, TokenChunk
 from legorl.errors import ConfigError, LegorlError
 from legorl.routing import capture_routing, routing_shape
 
@@ -97,8 +98,8 @@ def _params_tensors(rows: list[SamplingParams], device: torch.device) -> tuple[t
 def validate_params(params: SamplingParams) -> None:
     if params.max_tokens < 1:
         raise ConfigError(f"max_tokens must be >= 1, got {params.max_tokens}")
-    if params.temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {params.temperature}")
+    if not (params.temperature == 0 or MIN_TEMPERATURE <= params.temperature < math.inf):
+        raise ConfigError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {params.temperature}")
     if not 0 < params.top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
@@ -408,6 +409,9 @@ class EmbeddedEngine:
 
     def _accept(self, req: _Request, tok: int, lp: float, out: list[tuple[_Request, TokenChunk | BaseException]]) -> bool:
         """Record one sampled token and queue its chunk in ``out``; True when the sequence is finished."""
+        if not math.isfinite(lp):  # never hand out a logprob a trainer cannot use: fail the request
+            out.append((req, LegorlError(f"engine sampled token {tok} with a non-finite logprob ({lp})")))
+            return True
         req.tokens.append(tok)
         req.logprobs.append(lp)
         finished = tok in req.stop or len(req.tokens) >= req.max_new or req.cancelled

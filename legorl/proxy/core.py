@@ -7,6 +7,7 @@ events of :meth:`ProxyCore.call` (text deltas, then one :class:`CallResult`) int
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.engines import PromptTooLong
-from legorl.engines.base import Engine, Generation, SamplingParams
+from legorl.engines.base import MIN_TEMPERATURE, Engine, Generation, SamplingParams
+from legorl.errors import LegorlError
 from legorl.proxy import budgets as B
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.render import ChatRenderer
@@ -184,8 +186,9 @@ class ProxyCore:
                     return
             if self.sampling is not None:
                 self.sampling.apply(req)
+            temperature = req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0  # tinier: greedy
             params = SamplingParams(
-                max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                max_tokens=max_new, temperature=temperature, top_p=req.top_p, top_k=req.top_k,
                 stop_token_ids=self.renderer.stop_token_ids, seed=req.seed,
             )
             yield Started(len(plan.prompt_ids))
@@ -231,6 +234,8 @@ class ProxyCore:
                 else:
                     gen = await self.engine.generate(plan.prompt_ids, params)
                     text.ids = list(gen.token_ids)  # no stop strings: one decode at the end suffices
+                if not all(map(math.isfinite, gen.logprobs)):  # the engine's fault: never recorded
+                    raise LegorlError("the engine returned a non-finite logprob for a sampled token")
             except PromptTooLong:
                 if budgets.context_overflow == "error":
                     raise ContextOverflow("the prompt does not fit the engine's context") from None

@@ -8,6 +8,11 @@ its own loss mask, rollout logprobs and routing. What is left out, and why:
   group entirely, so they neither enter the baseline as reward 0 nor get gradient;
 - segments whose reason is not trained on (auxiliary calls by default) or that hold no sampled token.
 
+A segment whose rollout logprobs are not finite on a sampled (loss-masked) token is never dropped:
+the proxy and the engines refuse to record such a call, so one in a shard means the shard is
+corrupt, and :func:`load_step` refuses the step with an error naming the trial and segment (a
+dropped trial would leave its group like an infrastructure failure, a way out of a 0).
+
 Advantages are then set per trial (:mod:`legorl.training.advantages`) and shared by its segments.
 """
 
@@ -152,6 +157,13 @@ def load_step(
                 # Nothing sampled, or a first token with no context to score it from.
                 data.dropped["segment_without_sampled_tokens"] += 1
                 continue
+            bad = np.flatnonzero((sequence.loss_mask > 0) & ~np.isfinite(sequence.logprobs))
+            if bad.size:
+                raise LegorlError(
+                    f"{run.rollouts}: trial {row['trial_id']} segment {index}: {bad.size} sampled token(s) have "
+                    f"non-finite rollout logprobs (first at position {int(bad[0])}: {sequence.logprobs[bad[0]]}); "
+                    "refusing to train on a corrupt rollout"
+                )
             trial.sequences.append(len(data.sequences))
             data.sequences.append(sequence)
         if not trial.sequences:
