@@ -1339,21 +1339,22 @@ def _grade_one(grader: Grader, task: TaskRow, patch: str, trial: str) -> GradeRo
         return f"crash: {type(exc).__name__}: {exc}"
 
 
-def grade_all(tmp: Path) -> dict[str, GradeRow | str]:
-    """Every attack and every gold control, graded two at a time (the machine has two cores)."""
+def grade_all(tmp: Path, prefixes: tuple[str, ...] = ("",), screen_zeroes: bool = True) -> dict[str, GradeRow | str]:
+    """Every attack (whose id starts with one of ``prefixes``) and every gold control, graded two at a
+    time (the machine has two cores); ``screen_zeroes=False`` grades with the screen recording only."""
     tasks = _load_tasks()
     trees = {key: Tree(task, tmp / key) for key, task in tasks.items()}
     ctx = Ctx(trees, tasks, tmp)
     jobs: list[tuple[str, str, str, float]] = [(f"gold/{k}", k, tasks[k].patch or "", TEST_TIMEOUT) for k in GOLDS]
     out: dict[str, GradeRow | str] = {}
     for attack in ATTACKS:
-        if attack.needs() is not None:
+        if attack.needs() is not None or not attack.id.startswith(prefixes):
             continue
         try:
             jobs.append((attack.id, attack.task, attack.build(ctx), attack.timeout))
         except Exception as exc:
             out[attack.id] = f"build failed: {type(exc).__name__}: {exc}"
-    graders = {t: Grader(GradeOptions(test_timeout=t)) for t in {j[3] for j in jobs}}
+    graders = {t: Grader(GradeOptions(test_timeout=t, suspicious_scores_zero=screen_zeroes)) for t in {j[3] for j in jobs}}
     # the slow ones first, so the pool's tail is short
     jobs.sort(key=lambda j: j[3] != SHORT_TIMEOUT)
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -1390,6 +1391,28 @@ def test_attack_never_scores(attack: Attack, graded: dict[str, GradeRow | str]) 
     assert row.resolved is False, f"{attack.id}: {_describe(row)}"
 
 
+IN_PROCESS = tuple(a.id for a in ATTACKS if a.id.startswith(("inproc/", "screen/", "forge/")))
+
+
+@pytest.fixture(scope="module")
+def graded_without_screen(base_image: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, GradeRow | str]:
+    return grade_all(tmp_path_factory.mktemp("attacks-no-screen"), ("inproc/", "screen/", "forge/"), screen_zeroes=False)
+
+
+@pytest.mark.parametrize("attack_id", IN_PROCESS)
+def test_in_process_attack_fails_even_when_the_screen_only_records(
+        attack_id: str, graded_without_screen: dict[str, GradeRow | str]) -> None:
+    """The screen of added lines is defence in depth: with its zeroing off, what the code under test
+    does in the runner's process (rewiring pytest, tracing, neutering asserts, forging output) is still
+    caught by the runner's report, identity check and audit hook, the gold reference and the sealed tree."""
+    row = graded_without_screen.get(attack_id)
+    if row is None:
+        pytest.skip("attack not built here")
+    assert isinstance(row, GradeRow), f"{attack_id}: {row}"
+    assert (row.reward, row.infra_failure, row.resolved) == (0.0, False, False), f"{attack_id}: {_describe(row)}"
+    assert row.status != "suspicious", _describe(row)
+
+
 # --------------------------------------------------------------------------- the grade stage
 
 STAGE_ATTACKS = ("apply/symlink-tox.ini-to-clear_refs", "forge/rewrite-grading-script", "infra/sigterm-pid1", "infra/exit127-no-module-named-pytest",
@@ -1402,7 +1425,7 @@ def test_grade_stage_survives_a_nasty_batch(base_image: str, tmp_path: Path) -> 
     trial, gold 1, every attack 0 and not infra, and a rerun grades nothing twice."""
     from legorl import shards
     from legorl.schemas import Kind
-    from stages.grade import Job, grade_stage
+    from legorl.stages.grade import Job, grade_stage
 
     tasks = _load_tasks()
     trees = {k: Tree(tasks[k], tmp_path / k) for k in ("ct", "ct-plain", "pa")}

@@ -104,7 +104,7 @@ def grading_script(nonce: str, report_nonce: str, *, has_patch: bool, has_test_p
     pytest = parse_pytest_command(command)
     if pytest is not None:
         env = " ".join(q(e) for e in pytest.env)
-        run = (f"env {TEST_ENV} {env} {q(pytest.python)} -I {RUNNER_DIR}/runner.py {REPORT} "
+        run = (f"env {TEST_ENV} {env} {q(pytest.python)} -I {RUNNER_DIR}/runner.py {REPORT} {RUNNER_DIR}/changes.json "
                + " ".join(q(a) for a in pytest.args))
         mode = "runner"
     else:
@@ -160,8 +160,8 @@ cd /testbed || exit 0
 {test_patch_block}if [ -d $W/git ]; then mv $W/git /testbed/.git; fi
 rm -rf $W/pristine
 chown -R 0:0 /testbed && chmod -R go-w,a+rX /testbed || {{ ev infra "cannot seal the testbed"; exit 0; }}
-mkdir -p /tmp/.legorl-home /tmp/.legorl-report {RUNNER_DIR} && cp $W/runner.py {RUNNER_DIR}/ \\
-  && chmod 755 {RUNNER_DIR} && chmod 644 {RUNNER_DIR}/runner.py && chown $U:$U /tmp/.legorl-home /tmp/.legorl-report \\
+mkdir -p /tmp/.legorl-home /tmp/.legorl-report {RUNNER_DIR} && cp $W/runner.py $W/changes.json {RUNNER_DIR}/ \\
+  && chmod 755 {RUNNER_DIR} && chmod 644 {RUNNER_DIR}/runner.py {RUNNER_DIR}/changes.json && chown $U:$U /tmp/.legorl-home /tmp/.legorl-report \\
   && chmod 700 /tmp/.legorl-report || {{ ev infra "cannot prepare the test run"; exit 0; }}
 ev tests_start {mode}
 echo '{START_MARKER}'
@@ -206,7 +206,8 @@ def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str,
         "script.sh": script,
         "judge.py": _sandboxed("judge.py"),
         "runner.py": _sandboxed("runner.py"),
-        "judge.json": json.dumps({"tree": "/testbed", "pristine": f"{WORK}/pristine", "hidden": hidden}),
+        "judge.json": json.dumps({"tree": "/testbed", "pristine": f"{WORK}/pristine", "hidden": hidden,
+                                  "changes": f"{WORK}/changes.json"}),
         "patch.diff": patch,
         "test.diff": test_patch,
     }

@@ -56,20 +56,30 @@ MAX_SCREEN_BYTES = 2_000_000
 # (pattern, why): lines the patch added to non-test Python files that reach into the test runner
 # or the interpreter. Code that fixes a bug has no business doing any of these.
 SCREEN = [
-    (r"\b_?pytest\b|\bPYTEST_|\bpluggy\b|\bunittest\s*\.\s*(mock|case|result|runner)\b", "reaches into the test runner"),
-    (r"\bsys\s*\.\s*(modules|meta_path|path_hooks|settrace|setprofile|_getframe|excepthook|__std(out|err)__"
-     r"|exit|addaudithook)\b", "interpreter surgery"),
+    (r"\b_?pytest\b|\bPYTEST_|\bpluggy\b|\bunittest\b|\bTestCase\b|\bmock\b|\bassert[A-Z]\w*\s*=",
+     "reaches into the test runner"),
+    (r"\bsys\s*\.\s*(modules|meta_path|path_hooks|path|settrace|setprofile|_getframe|excepthook|__std(out|err)__"
+     r"|exit|addaudithook|_current_frames)\b|\bfrom\s+(sys|os|gc|builtins|threading)\s+import\b"
+     r"|\bimport\s+(sys|os|gc|builtins)\s+as\b", "interpreter surgery"),
     (r"\b(builtins|__builtins__|__subclasses__|__globals__|__code__|f_back|f_globals|f_locals|tb_frame"
      r"|gi_frame|co_code)\b", "interpreter internals"),
     (r"\bos\s*\.\s*(_exit|abort|kill|killpg|fork|forkpty|setsid|dup2?|write|system|exec\w*|spawn\w*|posix_spawn\w*)\b",
      "process control"),
     (r"\b(threading|_thread)\s*\.\s*(settrace|setprofile)\b|\bgc\s*\.\s*get_(objects|referrers|referents)\b",
      "interpreter internals"),
-    (r"(?<![\w.])(exec|eval|compile|__import__)\s*\(|\bimportlib\b|\b(ctypes|marshal|atexit|subprocess|signal"
-     r"|faulthandler|inspect)\b", "dynamic code or process hooks"),
+    (r"(?<![\w.])(exec|eval|compile|__import__)\b|\bimportlib\b|\b(ctypes|marshal|atexit|subprocess|signal"
+     r"|faulthandler|inspect|pickle|codecs|base64|zlib|zipimport|resolve_name|settrace|setprofile|gettrace"
+     r"|f_locals|f_globals|f_back|f_trace)\b", "dynamic code or process hooks"),
     (r"/proc/|/dev/(mem|kmem|kmsg|tty)", "reads process internals"),
 ]
 _SCREEN = [(re.compile(p), why) for p, why in SCREEN]
+# The same names, for added lines joined with all whitespace removed (``(_u\\n .TestCase)``).
+_SCREEN_JOINED = [(re.compile(p), why) for p, why in (
+    (r"_?pytest|PYTEST_|pluggy|unittest|TestCase|\.assert[A-Z]\w*=", "reaches into the test runner"),
+    (r"sys\.(modules|meta_path|path|settrace|setprofile|_getframe)|builtins|__builtins__|__subclasses__|__globals__"
+     r"|f_(back|globals|locals|trace)", "interpreter surgery"),
+    (r"(?<![\w.])(exec|eval|compile|__import__)\(|importlib|ctypes|marshal|pickle|codecs|base64", "dynamic code"),
+)]
 
 
 def scan(root: str) -> dict[str, tuple[str, int, int, int, str]]:
@@ -239,25 +249,59 @@ def restore(tree: str, pristine: str, rel: str) -> None:
         shutil.copy2(old, cur, follow_symlinks=False)
 
 
-def screen(tree: str, pristine: str, rel: str) -> list[str]:
-    """Findings in the lines the patch added to one Python file."""
-    path = os.path.join(tree, rel)
-    if os.lstat(path).st_size > MAX_SCREEN_BYTES:
-        return [f"{rel}:0: too large to screen"]
-    new = _read(path).decode("utf-8", "replace").splitlines()
+def _source(data: bytes) -> tuple[list[str], str]:
+    """A Python file's lines as Python decodes them (its coding declaration honoured), and that coding."""
+    import io
+    import tokenize
+
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        return data.decode(encoding, "replace").splitlines(), encoding
+    except (SyntaxError, LookupError, UnicodeError):
+        return data.decode("utf-8", "replace").splitlines(), "utf-8"
+
+
+def added_lines(tree: str, pristine: str, rel: str) -> tuple[list[int], list[str], str]:
+    """The 1-based numbers and the text of the lines the patch added to one Python file, and its coding."""
+    new, encoding = _source(_read(os.path.join(tree, rel)))
     old_path = os.path.join(pristine, rel)
-    old = _read(old_path).decode("utf-8", "replace").splitlines() if os.path.isfile(old_path) else []
-    out = []
+    old = _source(_read(old_path))[0] if os.path.isfile(old_path) and not os.path.islink(old_path) else []
+    numbers: list[int] = []
     matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
     for tag, _i1, _i2, j1, j2 in matcher.get_opcodes():
-        if tag not in ("insert", "replace"):
-            continue
-        for j in range(j1, j2):
-            code = new[j].split("#", 1)[0] if new[j].lstrip().startswith("#") else new[j]
-            for pattern, why in _SCREEN:
-                if pattern.search(code):
-                    out.append(f"{rel}:{j + 1}: {why}: {new[j].strip()[:200]}")
-                    break
+        if tag in ("insert", "replace"):
+            numbers += range(j1 + 1, j2 + 1)
+    return numbers, new, encoding
+
+
+def screen(rel: str, numbers: list[int], lines: list[str], encoding: str) -> list[str]:
+    """Findings in the lines the patch added to one Python file.
+
+    Each added line is read alone, and each run of consecutive added lines joined with all
+    whitespace and line continuations removed (so a name split across lines is still seen).
+    """
+    out = []
+    if encoding.lower().replace("_", "-") not in ("utf-8", "utf-8-sig", "ascii", "us-ascii", "latin-1", "iso-8859-1"):
+        out.append(f"{rel}:1: source encoding {encoding!r} (code no reader sees as written)")
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and runs[-1][-1] == n - 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    for run in runs:
+        texts = [lines[n - 1] for n in run]
+        code = [t.split("#", 1)[0] if t.lstrip().startswith("#") else t for t in texts]
+        joined = re.sub(r"\\\n|\s+", "", "\n".join(code))
+        for i, n in enumerate(run):
+            text, line = texts[i], code[i]
+            why = next((w for pattern, w in _SCREEN if pattern.search(line)), None)
+            if why:
+                out.append(f"{rel}:{n}: {why}: {text.strip()[:200]}")
+        if not any(f.startswith(f"{rel}:{n}:") for f in out for n in run):
+            why = next((w for pattern, w in _SCREEN_JOINED if pattern.search(joined)), None)
+            if why:
+                out.append(f"{rel}:{run[0]}: {why} (across lines): {joined[:200]}")
     return out
 
 
@@ -277,18 +321,31 @@ def judge(tree: str, pristine: str, hidden: list[str]) -> dict:
             done.append(rel)
     kept = [rel for rel in changed if not any(rel == d or rel.startswith(d + "/") for d in done)]
     suspicious: list[str] = []
+    added: dict[str, list[int] | None] = {}
     for rel in kept:
         entry = now.get(rel)
-        if entry and entry[0] == "f" and rel.endswith((".py", ".pyw")):
-            suspicious += screen(tree, pristine, rel)
-    return {"reset": reset, "changed": kept, "suspicious": suspicious}
+        if not entry or entry[0] != "f":
+            continue
+        if not rel.endswith((".py", ".pyw")):
+            added[rel] = None  # code Python may load that is not a source file: every line is the patch's
+            continue
+        if entry[2] > MAX_SCREEN_BYTES:
+            suspicious.append(f"{rel}:0: too large to screen")
+            added[rel] = None
+            continue
+        numbers, lines, encoding = added_lines(tree, pristine, rel)
+        added[rel] = numbers
+        suspicious += screen(rel, numbers, lines, encoding)
+    return {"reset": reset, "changed": kept, "suspicious": suspicious, "added": added}
 
 
 def main() -> None:
     with open(sys.argv[1]) as f:
         config = json.load(f)
     result = judge(config["tree"], config["pristine"], config["hidden"])
-    sys.stdout.write(json.dumps(result) + "\n")
+    with open(config["changes"], "w") as f:  # the runner's view of which code is the patch's
+        json.dump(result["added"], f)
+    sys.stdout.write(json.dumps({k: v for k, v in result.items() if k != "added"}) + "\n")
 
 
 if __name__ == "__main__":

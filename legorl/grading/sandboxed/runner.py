@@ -17,7 +17,13 @@ read-only folder outside the tree. In order:
    (compared by identity with a snapshot taken before the repository was importable). The grading script, not this process, then reads the file and checks the exit
    status it saw against the one reported.
 
-Usage: ``python3 -I runner.py REPORT_PATH [pytest args...] < nonce``. Python 3.8+.
+An audit hook (:class:`Guard`) installed before the repository is importable records what the
+patch's own lines do to the interpreter while the tests run (trace functions, ``gc`` walks,
+``ctypes``, ``exec``/``compile`` called directly, attributes set on the runner's or ``unittest``'s
+classes), and ``builtins`` is compared by identity; any finding also goes in the report.
+
+Usage: ``python3 -I runner.py REPORT_PATH CHANGES_JSON [pytest args...] < nonce`` (CHANGES_JSON:
+the judge's ``added`` map, path -> added line numbers or null for a whole file). Python 3.8+.
 """
 
 from __future__ import annotations
@@ -71,8 +77,83 @@ def status_of(report: object) -> str | None:
     return None
 
 
-RUNNER_PACKAGES = ("_pytest", "pytest", "pluggy")
+RUNNER_PACKAGES = ("_pytest", "pytest", "pluggy", "unittest")
 _MISSING = object()
+# Audit events (PEP 578) the patch's own code has no business raising while its tests run. "exec" and
+# "compile" count only when the patch's line calls them directly (the standard library execs on behalf
+# of pristine code, e.g. dataclasses); the others when the nearest frame in the tree is the patch's.
+CALL_EVENTS = frozenset({"exec", "compile"})
+STACK_EVENTS = frozenset({"sys.settrace", "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+                          "sys._current_frames", "sys.addaudithook", "code.__new__", "marshal.loads"})
+SETATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
+WATCHED = (*RUNNER_PACKAGES, "builtins")
+
+
+class Guard:
+    """An audit hook, installed before the repository is importable (it cannot be removed), that
+    records what the patch's own code does to the interpreter; plus a check of ``builtins``.
+
+    The patch's code is what the judge says the patch added: lines it added to a file, and every line
+    of a file it created (or code loaded from anything in the tree that is not a file, e.g. a zip).
+    """
+
+    def __init__(self, tree: str, added: dict[str, list[int] | None]) -> None:
+        self.tree = tree.rstrip(os.sep) + os.sep
+        self.added = {os.path.join(tree, rel): None if lines is None else frozenset(lines)
+                      for rel, lines in added.items()}
+        self.findings: list[str] = []
+        self._getframe, self._isfile = sys._getframe, os.path.isfile
+        import builtins
+
+        self._builtins = builtins
+        self._builtins_before = dict(vars(builtins))
+
+    def patch_code(self, frame: types.FrameType, whole_file: bool = False) -> bool:
+        path = frame.f_code.co_filename
+        if not path.startswith(self.tree):
+            return False
+        lines = self.added.get(path, _MISSING)
+        if lines is _MISSING:
+            return not self._isfile(path)
+        return whole_file or lines is None or frame.f_lineno in lines  # type: ignore[operator]
+
+    def _nearest_tree_frame(self, frame: types.FrameType | None) -> types.FrameType | None:
+        while frame is not None and not frame.f_code.co_filename.startswith(self.tree):
+            frame = frame.f_back
+        return frame
+
+    def __call__(self, event: str, args: tuple[object, ...]) -> None:
+        try:
+            if event in CALL_EVENTS:
+                frame: types.FrameType | None = self._getframe(1)
+                if frame is not None and self.patch_code(frame):
+                    self._found(event, frame)
+            elif event in STACK_EVENTS or event.startswith("ctypes.") or (
+                    event in SETATTR_EVENTS and isinstance(args[0], type)
+                    and str(getattr(args[0], "__module__", "")).split(".")[0] in WATCHED):
+                frame = self._nearest_tree_frame(self._getframe(1))
+                if frame is not None and self.patch_code(frame):
+                    self._found(event if event not in SETATTR_EVENTS else f"{event} {getattr(args[0], '__name__', '')}."
+                                f"{args[1]}", frame)
+        except Exception:  # an audit hook must never raise into the code it watches
+            pass
+
+    def _found(self, what: str, frame: types.FrameType) -> None:
+        if len(self.findings) < 20:
+            self.findings.append(f"{what} at {frame.f_code.co_filename[len(self.tree):]}:{frame.f_lineno}")
+
+    def check(self) -> list[str]:
+        """Findings so far, plus builtins replaced and trace functions set by the patch's code."""
+        out = list(self.findings)
+        now = vars(self._builtins)
+        out += [f"builtins.{name} replaced" for name, value in self._builtins_before.items()
+                if now.get(name, _MISSING) is not value]
+        for getter in (sys.gettrace, sys.getprofile):
+            code = getattr(getter(), "__code__", None)
+            if code is not None and code.co_filename.startswith(self.tree) and (
+                    self.added.get(code.co_filename, _MISSING) is not _MISSING or not self._isfile(code.co_filename)):
+                out.append(f"{getter.__name__.replace('get', 'set')} by {code.co_filename[len(self.tree):]}")
+        return out
 
 
 def runner_objects() -> dict[tuple[str, ...], object]:
@@ -129,8 +210,8 @@ def foreign_plugins(config: object, tree: str) -> list[str]:
 
 
 class Recorder:
-    def __init__(self, nonce: str, path: str, pristine: dict[tuple[str, ...], object]) -> None:
-        self.nonce, self.path, self.pristine = nonce, path, pristine
+    def __init__(self, nonce: str, path: str, pristine: dict[tuple[str, ...], object], guard: Guard) -> None:
+        self.nonce, self.path, self.pristine, self.guard = nonce, path, pristine, guard
         self.statuses: dict[str, str] = {}
         self.collect_errors = 0
         self.collected = 0
@@ -138,7 +219,8 @@ class Recorder:
 
     def _check(self, session: object) -> None:
         if not self.tampered:
-            found = changed_objects(self.pristine) + foreign_plugins(getattr(session, "config", None), os.getcwd())
+            found = (changed_objects(self.pristine) + foreign_plugins(getattr(session, "config", None), os.getcwd())
+                     + self.guard.check())
             self.tampered = found[:20]
 
     def pytest_collection_finish(self, session: object) -> None:
@@ -152,6 +234,8 @@ class Recorder:
         self.collected = len(items)
 
     def pytest_runtest_logreport(self, report: object) -> None:
+        if not self.tampered:
+            self.tampered = self.guard.check()[:20]
         status = status_of(report)
         if status is None:
             return
@@ -171,7 +255,9 @@ class Recorder:
 
 
 def main() -> None:
-    report_path, args = sys.argv[1], sys.argv[2:]
+    report_path, changes_path, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    with open(changes_path) as f:
+        added = json.load(f)
     nonce = sys.stdin.readline().strip()
     sys.stdin.close()
     sys.stdin = open(os.devnull)  # noqa: SIM115 - the test run's stdin, as `</dev/null` gives it
@@ -179,11 +265,13 @@ def main() -> None:
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     os.environ.pop("PYTEST_PLUGINS", None)
     os.environ.pop("PYTEST_ADDOPTS", None)
+    guard = Guard(os.getcwd(), added)
+    sys.addaudithook(guard)
+    recorder = Recorder(nonce, report_path, runner_objects(), guard)
     extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[0:0] = [os.getcwd(), *extra]
     import pytest
 
-    recorder = Recorder(nonce, report_path, runner_objects())
     code = pytest.main(args, plugins=[recorder, *plugins])
     sys.stdout.flush()
     sys.exit(int(code))
