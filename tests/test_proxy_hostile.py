@@ -236,3 +236,70 @@ def test_non_finite_logprobs_from_an_engine_are_an_engine_failure_never_recorded
             cap = server.capture(sid)
             assert cap.segments == [] and cap.calls == [] and len(cap.engine_errors) == 1
             assert "non-finite logprob" in cap.engine_errors[0]
+
+
+# ------------------------------------------------------------------ lone UTF-16 surrogates
+
+
+def test_lone_surrogates_in_any_request_string_never_lose_a_session(tokenizer: Any, tmp_path: Path) -> None:
+    from legorl import shards
+    from legorl.paths import RunDir
+    from legorl.schemas import Kind
+
+    with ProxyServer(scripted_engine(tokenizer), tokenizer, run_dir=tmp_path) as server:
+        created = httpx.post(server.base_url + "/sessions",
+                             content=b'{"metadata": {"task_id": "t\\ud800", "note\\udfff": "x\\udc00y"}}')
+        assert created.status_code == 200, created.text
+        sid = created.json()["session_id"]
+        url = server.openai_base_url(sid) + "/chat/completions"
+        # a tool-call id, a tool name, a tool result, a content part, and the model name
+        body = (b'{"model": "m\\ud800", "messages": ['
+                b'{"role": "user", "content": [{"type": "text", "text": "fix \\udfff it \\ud83d\\ude00"}]},'
+                b'{"role": "assistant", "content": null, "tool_calls": [{"id": "call_\\ud800", "type": "function",'
+                b' "function": {"name": "bash\\udbff", "arguments": "{\\"command\\": \\"ls \\\\ud800\\"}"}}]},'
+                b'{"role": "tool", "tool_call_id": "call_\\ud800", "content": "out \\udc00"}],'
+                b' "tools": [{"type": "function", "function": {"name": "bash", "description": "d\\ud800",'
+                b' "parameters": {"type": "object", "properties": {"k\\ud800": {"type": "string"}}}}}]}')
+        r = httpx.post(url, content=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "m\ufffd"
+        r = httpx.post(server.anthropic_base_url(sid) + "/v1/messages", content=(
+            b'{"model": "m\\ud800", "max_tokens": 5, "system": "s\\udfff", "messages": ['
+            b'{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "tool_use",'
+            b' "id": "toolu_\\ud800", "name": "bash", "input": {"c\\ud800": "\\udfff"}}]},'
+            b'{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_\\ud800", "content": "\\ud800"}]}]}'))
+        assert r.status_code == 200, r.text
+        traj = httpx.get(server.session_url(sid) + "/trajectory")
+        assert traj.status_code == 200, traj.text
+        fin = httpx.post(server.session_url(sid) + "/finish")
+        assert fin.status_code == 200, fin.text
+        messages = fin.json()["messages"]
+        assert "fix \ufffd it \U0001f600" in messages[0]["content"]  # a well-formed pair stays the character
+        assert messages[1]["tool_calls"][0]["id"] == "call_\ufffd"
+        assert httpx.post(server.session_url(sid) + "/finish").status_code == 404
+        # bodies that are not UTF-8 (CESU-8 surrogates, UTF-16) are refused, not decoded leniently
+        for raw in (b'{"model": "\xed\xa0\x80", "messages": [{"role": "user", "content": "x"}]}',
+                    '{"model": "m", "messages": [{"role": "user", "content": "x"}]}'.encode("utf-16")):
+            r = httpx.post(url, content=raw)
+            assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"], r.text
+    rows = shards.read_rows(RunDir.at(tmp_path).proxy_sessions, Kind.ROLLOUTS)
+    assert [r.task_id for r in rows] == ["t\ufffd"] and len(rows[0].calls) == 2
+
+
+def test_a_sampled_tool_call_spelling_lone_surrogates_is_answered_and_captured(tokenizer: Any) -> None:
+    from proxy_support import say, tool_call_text
+
+    call = tool_call_text("bash\\ud800", {"command": "ls"}).replace('"ls"', '"ls \\\\udfff"')
+    with ProxyServer(scripted_engine(tokenizer), tokenizer) as server:
+        sid = server.new_session()
+        for stream in (False, True):
+            r = httpx.post(server.openai_base_url(sid) + "/chat/completions", json={
+                "model": "m", "stream": stream, "tools": TOOLS,
+                "messages": [{"role": "user", "content": say(call)}]})
+            assert r.status_code == 200 and "\ufffd" in r.text and "call_" in r.text, r.text
+        r = httpx.post(server.anthropic_base_url(sid) + "/v1/messages", json={
+            "model": "m", "max_tokens": 200, "tools": ANTHROPIC_TOOLS,
+            "messages": [{"role": "user", "content": say(call)}]})
+        assert r.status_code == 200 and r.json()["content"][0]["name"] == "bash\ufffd", r.text
+        fin = httpx.post(server.session_url(sid) + "/finish")
+        assert fin.status_code == 200 and len(fin.json()["calls"]) == 3

@@ -41,7 +41,7 @@ from legorl.proxy import anthropic_api, openai_api
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.core import CallResult, ChatRequest, ContextOverflow, ProxyCore, Started, TextDelta
 from legorl.proxy.sessions import Session
-from legorl.proxy.validate import BadRequest
+from legorl.proxy.validate import SURROGATE_ESCAPE, BadRequest, without_lone_surrogates
 
 log = logging.getLogger("legorl.proxy")
 
@@ -332,10 +332,21 @@ def _require(method: str, expected: str) -> None:
 
 
 def _parse_json(raw: bytes) -> Any:
+    """The body as JSON: strict UTF-8, and every string (keys too) made valid Unicode.
+
+    JSON's ``\\uD800`` escapes can spell lone UTF-16 surrogates, which no UTF-8 writer accepts (a
+    response echoing the model name, a capture holding a tool-call id, a shard): each one becomes
+    U+FFFD here, before anything reads the body, as a lenient decoder would.
+    """
     try:
-        return json.loads(raw)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the body is not UTF-8: {exc}") from None
+    try:
+        body = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from None
+    return without_lone_surrogates(body) if SURROGATE_ESCAPE.search(text) else body
 
 
 async def read_body(receive: Receive, limit: int, allow_empty: bool = False) -> bytes:

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from legorl.proxy.validate import SURROGATE_ESCAPE, without_lone_surrogates
+
 
 @dataclass
 class ToolCall:
@@ -67,7 +69,7 @@ class HermesParser(ToolParser):
         calls: list[ToolCall] = []
         for i, raw in enumerate(blocks):
             try:
-                obj = json.loads(raw)
+                obj = _loads(raw)
             except ValueError as exc:
                 return ParsedOutput(content=text, error=f"tool call {i}: invalid JSON ({exc})")
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -75,7 +77,7 @@ class HermesParser(ToolParser):
             args = obj.get("arguments", obj.get("parameters", {}))
             if isinstance(args, str):
                 try:
-                    args = json.loads(args)
+                    args = _loads(args)
                 except ValueError:
                     return ParsedOutput(content=text, error=f"tool call {i}: arguments are not JSON")
             if args is None:
@@ -87,6 +89,12 @@ class HermesParser(ToolParser):
         if content.endswith("\n"):
             content = content[:-1]
         return ParsedOutput(content=content, tool_calls=calls)
+
+
+def _loads(raw: str) -> Any:
+    """JSON the model sampled, with any lone surrogate it spelled (``\\ud800``) made U+FFFD."""
+    obj = json.loads(raw)
+    return without_lone_surrogates(obj) if SURROGATE_ESCAPE.search(raw) else obj
 
 
 _REGISTRY: dict[str, type[ToolParser]] = {}

@@ -8,6 +8,7 @@ millisecond per call. Every failure is a :class:`BadRequest` naming the offendin
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 # Integers the engines take as 64-bit (seeds, top_k): anything wider is the client's error, never
@@ -119,3 +120,37 @@ def json_schema(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise BadRequest(f"{where}: expected a JSON schema object", where)
     return value
+
+
+#: A JSON text holding this may spell a lone surrogate (then run :func:`without_lone_surrogates`).
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _fix(text: str) -> str:
+    return _LONE_SURROGATE.sub("\ufffd", text) if _LONE_SURROGATE.search(text) else text
+
+
+def without_lone_surrogates(root: Any) -> Any:
+    """``root`` (parsed JSON) with every lone UTF-16 surrogate (JSON can spell one as ``\\ud800``) in
+    its strings and keys replaced by U+FFFD, in place: nothing downstream (UTF-8 responses,
+    captures, shards) can write one. Iterative: JSON may nest as deep as its parser allows."""
+    if isinstance(root, str):
+        return _fix(root)
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            items: Any = enumerate(node)
+        else:
+            if any(_LONE_SURROGATE.search(k) for k in node):
+                pairs = list(node.items())
+                node.clear()
+                node.update((_fix(k), v) for k, v in pairs)
+            items = list(node.items())
+        for key, value in items:
+            if isinstance(value, str):
+                node[key] = _fix(value)
+            elif isinstance(value, list | dict):
+                stack.append(value)
+    return root
