@@ -303,3 +303,29 @@ def test_a_sampled_tool_call_spelling_lone_surrogates_is_answered_and_captured(t
         assert r.status_code == 200 and r.json()["content"][0]["name"] == "bash\ufffd", r.text
         fin = httpx.post(server.session_url(sid) + "/finish")
         assert fin.status_code == 200 and len(fin.json()["calls"]) == 3
+
+
+# ------------------------------------------------------------------ server default budgets
+
+
+def test_sessions_created_over_http_get_the_servers_default_budgets(tokenizer: Any) -> None:
+    from legorl.proxy.budgets import Budgets
+    from legorl.stages.rollout import RemoteProxy
+
+    defaults = Budgets(max_turns=1, max_context=300, max_wall_s=600.0)
+    with ProxyServer(scripted_engine(tokenizer), tokenizer, budgets=defaults) as server:
+        plain = httpx.post(server.base_url + "/sessions").json()
+        assert plain["budgets"] == defaults.to_dict()
+        some = httpx.post(server.base_url + "/sessions", json={"budgets": {"max_turns": 3, "max_wall_s": None}}).json()
+        assert some["budgets"] == {**defaults.to_dict(), "max_turns": 3}
+        # the rollout stage's client for an external proxy creates its sessions this way
+        with RemoteProxy(server.base_url) as remote:
+            sid, base, _ = remote.new_session(Budgets(max_tokens_per_call=50), {"task_id": "t"})
+        budgets = server.core.get(sid).budgets  # type: ignore[union-attr]
+        assert budgets == Budgets(max_turns=1, max_context=300, max_wall_s=600.0, max_tokens_per_call=50)
+        client = openai.OpenAI(base_url=base, api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+        client.chat.completions.create(model="m", messages=msgs)  # type: ignore[arg-type]
+        second = client.chat.completions.create(model="m", messages=msgs)  # type: ignore[arg-type]
+        assert "maximum number of turns (1)" in (second.choices[0].message.content or "")
+        assert server.capture(sid).budget_stop == "max_turns"

@@ -8,7 +8,7 @@ Routes (``<id>`` is a session id; ``?beta=true`` and other query strings are ign
 - ``GET /v1/models``, ``GET /sess/<id>/v1/models`` — the served model (OpenAI + Anthropic fields)
 - ``GET /health``
 - ``POST /sessions`` — create a session: body ``{"budgets": {...}, "metadata": {...}}`` (both
-  optional); returns its id and base URLs
+  optional; a budget not given keeps the server's default); returns its id and base URLs
 - ``GET /sess/<id>/trajectory`` — the captured segments, calls and conversation as JSON
 - ``POST /sess/<id>/finish`` (or ``DELETE /sess/<id>``) — end the session: its capture is returned,
   written as a shard when the proxy has a run directory, and dropped from memory
@@ -219,7 +219,7 @@ class ProxyApp:
         if not isinstance(body, dict):
             raise BadRequest("body: expected an object")
         try:
-            budgets = Budgets.from_dict(body.get("budgets"))
+            budgets = Budgets.from_dict(body.get("budgets"), base=self.core.default_budgets)
         except LegorlError as exc:
             raise BadRequest(str(exc), "budgets") from None
         metadata = body.get("metadata")

@@ -9,7 +9,7 @@ context-length 400. The reason is recorded on the call (``budget_stop``) and on 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from legorl.errors import ConfigError
@@ -39,9 +39,12 @@ class Budgets:
     """``reply`` (default: a budget-stop reply) or ``error`` (an OpenAI/Anthropic 400)."""
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "budgets") -> Budgets:
+    def from_dict(cls, data: Any, where: str = "budgets", base: Budgets | None = None) -> Budgets:
+        """Budgets from ``data``; a field it does not give (or gives as null) keeps ``base``'s value
+        (the server's defaults, for a session created over HTTP), else the class default."""
+        base = base if base is not None else cls()
         if data is None:
-            return cls()
+            return base
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: expected an object")
         known = {f.name: f for f in fields(cls)}
@@ -60,7 +63,7 @@ class Budgets:
             elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{where}.{key}: must be a positive integer")
             kwargs[key] = value
-        return cls(**kwargs)
+        return replace(base, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
