@@ -329,3 +329,56 @@ def test_sessions_created_over_http_get_the_servers_default_budgets(tokenizer: A
         second = client.chat.completions.create(model="m", messages=msgs)  # type: ignore[arg-type]
         assert "maximum number of turns (1)" in (second.choices[0].message.content or "")
         assert server.capture(sid).budget_stop == "max_turns"
+
+
+# ------------------------------------------------------------------ MoE routing of a cut reply
+
+
+@pytest.fixture(scope="module")
+def moe_proxy(tiny_moe_model: Path) -> Iterator[ProxyServer]:
+    from legorl.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(tiny_moe_model)
+    with ProxyServer(engine, tiny_moe_model) as server:
+        yield server
+    asyncio.run(engine.close())
+
+
+def _routing(seg: Any) -> Any:
+    import numpy as np
+
+    assert seg.routed_experts is not None, "the segment lost its routing"
+    return np.asarray(seg.routed_experts).reshape(len(seg.token_ids), seg.routing_layers, seg.routing_top_k)
+
+
+@pytest.mark.parametrize("api", ["openai", "openai-stream", "anthropic"])
+def test_a_reply_cut_by_a_stop_string_keeps_the_routing_of_the_tokens_kept(moe_proxy: ProxyServer, api: str) -> None:
+    import numpy as np
+
+    msgs = [{"role": "user", "content": "Write a function."}]
+    full_sid = moe_proxy.new_session()
+    oa(moe_proxy, full_sid).chat.completions.create(model="m", messages=msgs, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+    full = moe_proxy.capture(full_sid).segments[0]
+    r = moe_proxy.renderer
+    sampled = [t for t, m in zip(full.token_ids, full.loss_mask, strict=True) if m]
+    prompt_len = len(full.token_ids) - len(sampled)
+    stop = r.decode(sampled[:8])[-3:]  # ends inside the reply: the cut keeps at most 8 of its 24 tokens
+    assert stop.strip(), r.decode(sampled)
+    sid = moe_proxy.new_session()
+    if api == "anthropic":
+        out = an(moe_proxy, sid).messages.create(model="m", max_tokens=24, messages=msgs,  # type: ignore[arg-type]
+                                                 stop_sequences=[stop], extra_body={"temperature": 0})
+        assert out.stop_reason == "stop_sequence"
+    else:
+        res = oa(moe_proxy, sid).chat.completions.create(model="m", messages=msgs, max_tokens=24,  # type: ignore[arg-type]
+                                                         temperature=0, stop=[stop], stream=api == "openai-stream")
+        if api == "openai-stream":
+            list(res)  # type: ignore[arg-type]
+    seg = moe_proxy.capture(sid).segments[0]
+    n = len(seg.token_ids)
+    assert prompt_len < n <= prompt_len + 8 and seg.token_ids == full.token_ids[:n]  # cut, same tokens
+    cut, whole = _routing(seg), _routing(full)
+    # every position the engine fed forward routes as in the uncut reply; the last kept token was not
+    # fed forward (-1: the router's own choice in replay), as at the end of any reply
+    assert np.array_equal(cut[: n - 1], whole[: n - 1])
+    assert (cut[n - 1] == -1).all() and (cut[: n - 1] >= 0).all()

@@ -50,11 +50,18 @@ class Generation:
 
 @dataclass
 class TokenChunk:
-    """A piece of a generation as it is produced (for streaming); the final chunk has ``final``."""
+    """A piece of a generation as it is produced (for streaming); the final chunk has ``final``.
+
+    ``routed_experts`` (MoE engines that stream routing) holds the routing rows ``[n, layers, k]``
+    of the positions fed forward since the previous chunk: the prompt's with the first token, then
+    one per token (the previous one's). A consumer that stops reading early (a stop string) still
+    has the routing of every token it keeps but the last, which was never fed forward (-1).
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     final: Generation | None = None
+    routed_experts: np.ndarray | None = None
 
 
 @runtime_checkable

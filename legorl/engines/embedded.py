@@ -118,6 +118,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)
+    routing_sent: int = 0  # entries of ``routing`` already streamed
     cancelled: bool = False
 
     def emit(self, item: TokenChunk | BaseException) -> None:
@@ -424,7 +425,11 @@ class EmbeddedEngine:
                 routed_experts=self._routing(req),
                 prompt_tokens=len(req.prompt),
             )
-        out.append((req, TokenChunk(token_ids=[tok], logprobs=[lp], final=final)))
+        rows = None
+        if len(req.routing) > req.routing_sent:
+            rows = np.concatenate(req.routing[req.routing_sent:], axis=0)
+            req.routing_sent = len(req.routing)
+        out.append((req, TokenChunk(token_ids=[tok], logprobs=[lp], final=final, routed_experts=rows)))
         return finished
 
     def _routing(self, req: _Request) -> np.ndarray | None:

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from legorl.engines import PromptTooLong
 from legorl.engines.base import MIN_TEMPERATURE, Engine, Generation, SamplingParams
 from legorl.errors import LegorlError
@@ -91,6 +93,17 @@ class SamplingOverride:
             req.top_p = self.top_p
         if self.top_k is not None:
             req.top_k = self.top_k
+
+
+def _streamed_routing(rows: list[Any], n: int) -> Any:
+    """``[n, layers, k]`` routing from streamed chunks' rows, the last (never fed) position -1; None
+    when the engine streamed fewer rows (then the segment records its routing as missing)."""
+    if not rows:
+        return None
+    arr = np.concatenate(rows, axis=0)
+    if arr.shape[0] == n - 1:
+        arr = np.concatenate([arr, np.full((1, *arr.shape[1:]), -1, dtype=arr.dtype)], axis=0)
+    return arr[:n] if arr.shape[0] >= n else None
 
 
 class ContextOverflow(Exception):
@@ -198,12 +211,15 @@ class ProxyCore:
                 if req.stream or req.stop:
                     gen: Generation | None = None
                     seen_lps: list[float] = []
+                    seen_routing: list[Any] = []
                     stream = self.engine.stream(plan.prompt_ids, params)
                     try:
                         async for chunk in stream:
                             if call.ttft_s is None and chunk.token_ids:
                                 call.ttft_s = time.perf_counter() - t0
                             seen_lps.extend(chunk.logprobs)
+                            if chunk.routed_experts is not None:
+                                seen_routing.append(chunk.routed_experts)
                             cut = False
                             for tid in chunk.token_ids:
                                 if text.push(tid):
@@ -219,14 +235,15 @@ class ProxyCore:
                         await stream.aclose()  # type: ignore[attr-defined]
                     if text.cut is not None:
                         # Cut after the token that completed a stop string (see textstream.py); the
-                        # routing is only known when the engine got to report its final chunk.
+                        # routing of the kept tokens is the final chunk's, else the streamed rows'.
                         kept = text.kept_ids()
-                        routed = gen.routed_experts if gen else None
+                        n = len(plan.prompt_ids) + len(kept)
+                        routed = gen.routed_experts if gen else _streamed_routing(seen_routing, n)
                         gen = Generation(
                             token_ids=kept,
                             logprobs=seen_lps[: len(kept)],
                             finish_reason="stop",
-                            routed_experts=None if routed is None else routed[: len(plan.prompt_ids) + len(kept)],
+                            routed_experts=None if routed is None else routed[:n],
                             prompt_tokens=len(plan.prompt_ids),
                         )
                     elif gen is None:
