@@ -5,9 +5,9 @@ Runs inside the grading container as the unprivileged test user, with ``python3 
 read-only folder outside the tree. In order:
 
 1. it reads the per-grade report nonce from stdin (never in argv or the environment);
-2. it imports pytest, every ``_pytest`` module and pytest's dependencies, and loads the plugins the
-   *image* installs (``pytest11`` entry points) — all before the repository is importable, so no
-   module in the tree can stand in for any of them;
+2. it imports pytest (and with it pytest's dependencies) and loads the plugins the *image* installs
+   (``pytest11`` entry points) — all before the repository is importable, so no module in the tree
+   can stand in for any of them;
 3. it turns plugin autoload off (a ``*.dist-info`` in the tree cannot add one), then puts the
    working folder and ``PYTHONPATH``'s folders at the front of ``sys.path`` as ``python -m pytest``
    would;
@@ -35,26 +35,21 @@ import types
 from typing import Any
 
 SEVERITY = {"PASSED": 0, "XPASS": 1, "XFAIL": 1, "SKIPPED": 2, "FAILED": 3, "ERROR": 4}
-PRELOAD = ("argparse", "doctest", "pdb", "unittest", "unittest.mock", "tempfile", "shutil", "json", "logging",
-           "faulthandler", "warnings", "inspect", "traceback", "difflib", "pprint", "textwrap", "fnmatch", "glob",
-           "importlib.metadata", "importlib.util", "pkgutil", "zipfile", "tarfile", "decimal", "fractions")
+
 
 
 def _preload() -> list[object]:
+    """Import pytest and load the image's pytest plugins, before the tree is importable.
+
+    pytest's own submodules are found through the ``_pytest`` package's path, never ``sys.path``, so
+    importing the package is enough; a top-level module pytest imports late could only be shadowed
+    by a module the tree already had (the judge removes new ones, and the tree is read-only).
+    """
     import contextlib
-    import importlib
-    import pkgutil
     from importlib import metadata
 
-    import _pytest
     import pytest  # noqa: F401
 
-    for name in PRELOAD:  # an image without one of them is fine
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
-    for info in pkgutil.walk_packages(_pytest.__path__, "_pytest."):  # optional parts may not import
-        with contextlib.suppress(Exception):
-            importlib.import_module(info.name)
     eps: Any = metadata.entry_points()
     group = eps.select(group="pytest11") if hasattr(eps, "select") else eps.get("pytest11", [])
     plugins: list[object] = []
