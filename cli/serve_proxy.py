@@ -35,6 +35,9 @@ def register(app: typer.Typer) -> None:
         temperature: Annotated[float | None, typer.Option(
             help="Sample every call at this temperature, whatever the harness asks (the trainer's).")] = None,
         top_p: Annotated[float | None, typer.Option(help="Sample every call with this top-p.")] = None,
+        single_session: Annotated[bool, typer.Option(
+            "--single-session", help="Also serve the un-prefixed /v1 routes, as one shared session "
+                                     "'default' (for a single client; off: they answer 404).")] = False,
     ) -> None:
         """Serve OpenAI + Anthropic APIs per session at /sess/<id>/v1/..., capturing exact tokens.
 
@@ -62,7 +65,8 @@ def register(app: typer.Typer) -> None:
                     eng = make_engine("vllm", base_url=upstream, served_model_dir=model)
             server = ProxyServer(eng, tokenizer, host=host, port=port, api_key=api_key, budgets=budgets,
                                  run_dir=run, parser=parser,
-                                 sampling=SamplingOverride(temperature=temperature, top_p=top_p)).start()
+                                 sampling=SamplingOverride(temperature=temperature, top_p=top_p),
+                                 single_session=single_session).start()
         except LegorlError as exc:
             fail(str(exc))
         stop = threading.Event()

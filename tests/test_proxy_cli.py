@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import openai
+import pytest
 
 from legorl import shards
 from legorl.paths import RunDir
@@ -33,6 +34,9 @@ def test_serve_proxy_command(tiny_model: Path, tmp_path: Path) -> None:
         for _ in range(3):
             r = client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
         assert "maximum number of turns" in (r.choices[0].message.content or "")  # --max-turns applies
+        bare = openai.OpenAI(base_url=info["base_url"] + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError, match="names no session"):  # no shared "default" session
+            bare.chat.completions.create(model="m", messages=msgs, max_tokens=4)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

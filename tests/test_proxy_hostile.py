@@ -382,3 +382,32 @@ def test_a_reply_cut_by_a_stop_string_keeps_the_routing_of_the_tokens_kept(moe_p
     # fed forward (-1: the router's own choice in replay), as at the end of any reply
     assert np.array_equal(cut[: n - 1], whole[: n - 1])
     assert (cut[n - 1] == -1).all() and (cut[: n - 1] >= 0).all()
+
+
+# ------------------------------------------------------------------ the un-prefixed /v1 routes
+
+
+def test_unprefixed_routes_are_a_404_naming_the_session_url(proxy: ProxyServer) -> None:
+    before = set(proxy.core.sessions)
+    with pytest.raises(openai.NotFoundError, match=r"/sess/<id>/v1"):
+        openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.NotFoundError, match=r"/sess/<id>"):
+        anthropic.Anthropic(base_url=proxy.base_url, api_key="x", max_retries=0).messages.create(
+            model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert httpx.post(proxy.base_url + "/chat/completions", json={}).status_code == 404
+    assert set(proxy.core.sessions) == before  # no "default" session
+    # what needs no session still answers without one
+    assert httpx.get(proxy.base_url + "/v1/models").status_code == 200
+    count = httpx.post(proxy.base_url + "/v1/messages/count_tokens",
+                       json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert count.status_code == 200 and count.json()["input_tokens"] > 0
+
+
+def test_single_session_mode_serves_the_unprefixed_routes_as_one_session(tokenizer: Any) -> None:
+    with ProxyServer(scripted_engine(tokenizer), tokenizer, single_session=True, auto_create=False) as server:
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}])
+        anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0).messages.create(
+            model="m", max_tokens=5, messages=[{"role": "user", "content": "y"}])
+        assert set(server.core.sessions) == {"default"} and len(server.capture("default").calls) == 2

@@ -12,7 +12,10 @@ Routes (``<id>`` is a session id; ``?beta=true`` and other query strings are ign
 - ``GET /sess/<id>/trajectory`` — the captured segments, calls and conversation as JSON
 - ``POST /sess/<id>/finish`` (or ``DELETE /sess/<id>``) — end the session: its capture is returned,
   written as a shard when the proxy has a run directory, and dropped from memory
-- ``POST /v1/chat/completions``, ``POST /v1/messages`` — the ``default`` session
+- ``POST /v1/chat/completions``, ``POST /v1/messages`` (no session in the URL) — a 404 saying to
+  use ``/sess/<id>``, unless the app serves a single session (``single_session=True``,
+  ``serve-proxy --single-session``): then they are the ``default`` session. Otherwise every client
+  given a bare base URL would share (and read, and extend) one capture.
 
 Unknown session ids on the model routes create a session with the default budgets (harnesses
 cannot create sessions themselves; a per-trial URL is all they are given). ``/trajectory`` and
@@ -80,10 +83,11 @@ class Disconnected(Exception):
 
 class ProxyApp:
     def __init__(self, core: ProxyCore, api_key: str | None = None, auto_create: bool = True,
-                 max_body_bytes: int = 64 << 20):
+                 max_body_bytes: int = 64 << 20, single_session: bool = False):
         self.core = core
         self.api_key = api_key
         self.auto_create = auto_create
+        self.single_session = single_session
         self.max_body = max_body_bytes
 
     def bound_to(self, session_id: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
@@ -156,7 +160,12 @@ class ProxyApp:
             return
         if sub in _OPENAI_ROUTES or sub in _ANTHROPIC_ROUTES:
             _require(method, "POST")
-            session = self._session(session_id or "default", create=self.auto_create and bound is None)
+            if session_id is None and not self.single_session:
+                raise BadRequest(
+                    f"{path} names no session: use the base URL /sess/<id>/v1 (OpenAI) or /sess/<id> "
+                    "(Anthropic), with an id from POST /sessions", status=404, code="not_found")
+            create = bound is None and (self.auto_create or session_id is None)
+            session = self._session(session_id or "default", create=create)
             body = _parse_json(await read_body(receive, self.max_body))
             await self._chat(send, session, body, "anthropic" if sub in _ANTHROPIC_ROUTES else "openai")
             return

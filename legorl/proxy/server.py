@@ -77,6 +77,7 @@ class ProxyServer:
         parser: str | ToolParser | None = None,
         auto_create: bool = True,
         sampling: SamplingOverride | None = None,
+        single_session: bool = False,
     ):
         if isinstance(tokenizer, str | Path):
             tokenizer = load_tokenizer(tokenizer)
@@ -84,7 +85,7 @@ class ProxyServer:
         tool_parser = get_parser(parser) if isinstance(parser, str) else parser
         self.sink = ShardSink(run_dir) if run_dir is not None else None
         self.core = ProxyCore(engine, self.renderer, tool_parser, budgets, on_finish=self.sink, sampling=sampling)
-        self.app = ProxyApp(self.core, api_key=api_key, auto_create=auto_create)
+        self.app = ProxyApp(self.core, api_key=api_key, auto_create=auto_create, single_session=single_session)
         self.host = host
         self._port = port
         self._sock: socket.socket | None = None
