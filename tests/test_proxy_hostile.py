@@ -411,3 +411,46 @@ def test_single_session_mode_serves_the_unprefixed_routes_as_one_session(tokeniz
         anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0).messages.create(
             model="m", max_tokens=5, messages=[{"role": "user", "content": "y"}])
         assert set(server.core.sessions) == {"default"} and len(server.capture("default").calls) == 2
+
+
+# ------------------------------------------------------------------ engine errors a request causes
+
+
+def test_engine_refusals_of_request_content_are_the_clients_400_never_an_engine_failure(tokenizer: Any) -> None:
+    from legorl.engines import RequestRejected
+    from legorl.engines.scripted import ScriptedCall, ScriptedEngine
+
+    def reply(call: ScriptedCall) -> str:
+        if "refuse-me" in call.prompt_text:
+            raise RequestRejected("prompt holds token ids outside [0, 8000)")
+        if "crash-me" in call.prompt_text:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return "fine"
+
+    with ProxyServer(ScriptedEngine(tokenizer, reply), tokenizer) as server:
+        sid = server.new_session()
+        client, aclient = oa(server, sid), an(server, sid)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="engine rejected the request: prompt holds"):
+                list(client.chat.completions.create(model="m", stream=stream,  # type: ignore[call-overload]
+                                                    messages=[{"role": "user", "content": "refuse-me"}]))
+            with pytest.raises(anthropic.BadRequestError, match="engine rejected"):
+                aclient.messages.create(model="m", max_tokens=5, stream=stream,
+                                        messages=[{"role": "user", "content": "refuse-me"}])
+        cap = server.capture(sid)
+        assert cap.engine_errors == [] and cap.calls == [] and cap.segments == []
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}])
+        with pytest.raises(openai.InternalServerError):  # the engine's own failure is recorded
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "crash-me"}])
+        assert server.capture(sid).engine_errors == ["RuntimeError: CUDA error: an illegal memory access was encountered"]
+
+
+def test_embedded_engine_refusals_are_request_errors(real_proxy: ProxyServer) -> None:
+    from legorl.engines import RequestRejected
+    from legorl.engines.base import SamplingParams
+
+    engine = real_proxy.core.engine
+    for prompt, params in (([], SamplingParams()), ([10**6], SamplingParams()), ([1], SamplingParams(top_p=0.0)),
+                           ([1], SamplingParams(max_tokens=0)), ([1], SamplingParams(temperature=1e-9))):
+        with pytest.raises(RequestRejected):
+            asyncio.run(engine.generate(prompt, params))

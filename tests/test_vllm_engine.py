@@ -46,6 +46,8 @@ class StandIn:
 
     def __init__(self, routing: str = "none"):
         self.routing = routing  # none | split-lists | npy
+        self.vocab: int | None = None  # prompt token ids from here on are refused, as vLLM does (400)
+        self.status: int | None = None  # answer every completion with this error status
         self.requests: list[dict[str, Any]] = []
         self.admin: list[str] = []
 
@@ -67,6 +69,12 @@ class StandIn:
         body = await request.json()
         self.requests.append(body)
         prompt = body["prompt"]
+        if self.status is not None:
+            return JSONResponse({"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError",
+                                           "code": self.status}}, status_code=self.status)
+        if self.vocab is not None and max(prompt) >= self.vocab:
+            return JSONResponse({"error": {"message": f"Token id {max(prompt)} is out of vocabulary",
+                                           "type": "BadRequestError", "code": 400}}, status_code=400)
         if len(prompt) + body["max_tokens"] > MAX_LEN:
             return JSONResponse({"error": {"message": f"This model's maximum context length is {MAX_LEN} tokens",
                                            "type": "BadRequestError", "code": 400}}, status_code=400)
@@ -226,3 +234,55 @@ def test_load_weights_copies_into_served_dir_and_reloads(server, tmp_path: Path)
     assert json.loads(stand_in.admin[1].split("|")[1]) == {"method": "reload_weights"}
     with pytest.raises(ConfigError, match="no weight files"):
         asyncio.run(eng.load_weights(str(tmp_path)))
+
+
+def test_behind_the_proxy_vllm_400s_are_the_clients_and_only_engine_failures_are_recorded(
+    server, tiny_model: Path
+) -> None:
+    """A vLLM 400 caused by what the request holds is the client's 400, not an engine failure (which
+    would mark the trial as infrastructure); a vLLM 5xx or an unreachable vLLM is one."""
+    import httpx
+    import openai
+    from transformers import AutoTokenizer
+
+    from legorl.proxy.server import ProxyServer
+
+    stand_in, url = server
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    stand_in.vocab = tokenizer.convert_tokens_to_ids("<tool_call>")  # the served model lacks the format tokens
+    with ProxyServer(VLLMEngine(url, "tiny"), tokenizer) as proxy:
+        client = openai.OpenAI(base_url=proxy.openai_base_url("trial"), api_key="x", max_retries=0)
+        ok = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert ok.choices[0].finish_reason == "length"
+        hostile = [{"role": "user", "content": "hi <tool_call>"}]
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="out of vocabulary"):
+                r = client.chat.completions.create(model="m", messages=hostile, max_tokens=3, stream=stream)
+                list(r) if stream else None  # type: ignore[call-overload]
+        traj = httpx.get(proxy.session_url("trial") + "/trajectory").json()
+        assert traj["engine_errors"] == [] and len(traj["calls"]) == 1
+        stand_in.status = 500
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        errors = httpx.get(proxy.session_url("trial") + "/trajectory").json()["engine_errors"]
+        assert len(errors) == 1 and "HTTP 500" in errors[0]
+    with ProxyServer(VLLMEngine("http://127.0.0.1:9", "tiny", max_context=MAX_LEN), tokenizer) as proxy:
+        client = openai.OpenAI(base_url=proxy.openai_base_url("down"), api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert "ConnectError" in proxy.capture("down").engine_errors[0]
+
+
+def test_vllm_refusals_are_request_errors_and_other_statuses_are_not(server) -> None:
+    from legorl.engines import RequestRejected
+
+    stand_in, url = server
+    eng = VLLMEngine(url, "tiny")
+    stand_in.vocab = 6
+    with pytest.raises(RequestRejected, match="out of vocabulary"):
+        asyncio.run(eng.generate([5, 6, 7], SamplingParams(max_tokens=2)))
+    for status in (500, 503, 404):
+        stand_in.status = status
+        with pytest.raises(LegorlError) as err:
+            asyncio.run(eng.generate([1, 2], SamplingParams(max_tokens=2)))
+        assert not isinstance(err.value, RequestRejected)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from legorl.engines.base import Engine, Generation, PromptTooLong, SamplingParams, TokenChunk
+from legorl.engines.base import Engine, Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
 from legorl.errors import ConfigError
 
 ENGINE_KINDS = ("embedded", "vllm", "scripted")
@@ -35,4 +35,5 @@ def make_engine(kind: str, **kwargs: Any) -> Engine:
     raise ConfigError(f"unknown engine {kind!r}: choose one of {', '.join(ENGINE_KINDS)}")
 
 
-__all__ = ["ENGINE_KINDS", "Engine", "Generation", "PromptTooLong", "SamplingParams", "TokenChunk", "make_engine"]
+__all__ = ["ENGINE_KINDS", "Engine", "Generation", "PromptTooLong", "RequestRejected", "SamplingParams", "TokenChunk",
+           "make_engine"]

@@ -8,10 +8,16 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from legorl.errors import LegorlError
+from legorl.errors import ConfigError
 
 
-class PromptTooLong(LegorlError):
+class RequestRejected(ConfigError):
+    """The engine refused this request for what it holds (its prompt, its sampling parameters): the
+    caller's error (the proxy answers it with a 400), never an engine failure — which would mark
+    the session's trial as infrastructure. Engines raise anything else for their own failures."""
+
+
+class PromptTooLong(RequestRejected):
     """The prompt leaves no room for a single generated token in the engine's context."""
 
 

@@ -39,7 +39,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from legorl.engines.base import MIN_TEMPERATURE, Generation, PromptTooLong, SamplingParams, TokenChunk
+from legorl.engines.base import (
+    MIN_TEMPERATURE,
+    Generation,
+    PromptTooLong,
+    RequestRejected,
+    SamplingParams,
+    TokenChunk,
+)
 from legorl.errors import ConfigError, LegorlError
 from legorl.routing import capture_routing, routing_shape
 
@@ -97,13 +104,13 @@ def _params_tensors(rows: list[SamplingParams], device: torch.device) -> tuple[t
 
 def validate_params(params: SamplingParams) -> None:
     if params.max_tokens < 1:
-        raise ConfigError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}")
     if not (params.temperature == 0 or MIN_TEMPERATURE <= params.temperature < math.inf):
-        raise ConfigError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {params.temperature}")
+        raise RequestRejected(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {params.temperature}")
     if not 0 < params.top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
+        raise RequestRejected(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
-        raise ConfigError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+        raise RequestRejected(f"top_k must be >= 0 (0 = off), got {params.top_k}")
 
 
 @dataclass
@@ -253,12 +260,12 @@ class EmbeddedEngine:
             raise LegorlError("engine is closed")
         validate_params(params)
         if not prompt:
-            raise ConfigError("empty prompt: at least one token is required")
+            raise RequestRejected("empty prompt: at least one token is required")
         if len(prompt) >= self.max_context:
             raise PromptTooLong(f"prompt of {len(prompt)} tokens leaves no room in the context of {self.max_context}")
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ConfigError(f"prompt holds token ids outside [0, {vocab})")
+            raise RequestRejected(f"prompt holds token ids outside [0, {vocab})")
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         req = _Request(

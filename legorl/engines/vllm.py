@@ -43,9 +43,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from legorl.engines.base import Generation, PromptTooLong, SamplingParams, TokenChunk
+from legorl.engines.base import Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
 from legorl.errors import ConfigError, LegorlError
 
+# Statuses by which vLLM refuses a request for its content (validation: a prompt or parameter it
+# will not take); any other status (5xx, 404 for a wrong model name, 401) is the engine's failure.
+_REQUEST_ERRORS = frozenset({400, 413, 422})
 _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
 
 
@@ -171,7 +174,7 @@ class VLLMEngine:
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
-            raise ConfigError("empty prompt: at least one token is required")
+            raise RequestRejected("empty prompt: at least one token is required")
         if len(prompt_ids) >= self.max_context:
             raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of {self.max_context}")
 
@@ -185,6 +188,8 @@ class VLLMEngine:
         msg = str(msg)[:500]
         if r.status_code == 400 and ("context length" in msg or "max_model_len" in msg or "maximum" in msg):
             return PromptTooLong(f"vllm: {msg}")
+        if r.status_code in _REQUEST_ERRORS:  # vLLM validated the request and refused what it holds
+            return RequestRejected(f"vllm {r.request.url.path}: HTTP {r.status_code}: {msg}")
         return LegorlError(f"vllm {r.request.url.path}: HTTP {r.status_code}: {msg}")
 
     @staticmethod

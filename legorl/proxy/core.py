@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from legorl.engines import PromptTooLong
+from legorl.engines import PromptTooLong, RequestRejected
 from legorl.engines.base import MIN_TEMPERATURE, Engine, Generation, SamplingParams
 from legorl.errors import LegorlError
 from legorl.proxy import budgets as B
@@ -204,17 +204,20 @@ class ProxyCore:
                 max_tokens=max_new, temperature=temperature, top_p=req.top_p, top_k=req.top_k,
                 stop_token_ids=self.renderer.stop_token_ids, seed=req.seed,
             )
-            yield Started(len(plan.prompt_ids))
             marker = self.parser.start_marker if (req.tools and req.parse_tools) else None
             text = TextAssembler(self.renderer.decode, self.renderer.stop_token_ids, req.stop, marker)
             try:
                 if req.stream or req.stop:
                     gen: Generation | None = None
+                    announced = False
                     seen_lps: list[float] = []
                     seen_routing: list[Any] = []
                     stream = self.engine.stream(plan.prompt_ids, params)
                     try:
                         async for chunk in stream:
+                            if not announced:  # the engine took the request (it may refuse it: a 400)
+                                announced = True
+                                yield Started(len(plan.prompt_ids))
                             if call.ttft_s is None and chunk.token_ids:
                                 call.ttft_s = time.perf_counter() - t0
                             seen_lps.extend(chunk.logprobs)
@@ -249,6 +252,7 @@ class ProxyCore:
                     elif gen is None:
                         raise RuntimeError("the engine's stream ended without a final chunk")
                 else:
+                    yield Started(len(plan.prompt_ids))
                     gen = await self.engine.generate(plan.prompt_ids, params)
                     text.ids = list(gen.token_ids)  # no stop strings: one decode at the end suffices
                 if not all(map(math.isfinite, gen.logprobs)):  # the engine's fault: never recorded
@@ -258,6 +262,8 @@ class ProxyCore:
                     raise ContextOverflow("the prompt does not fit the engine's context") from None
                 yield self._budget_stop(session, req, B.CONTEXT_OVERFLOW, call, t0)
                 return
+            except RequestRejected as exc:  # what the request holds, not the engine's failure
+                raise BadRequest(f"the engine rejected the request: {exc}") from None
             except Exception as exc:  # the engine failed: an infrastructure error of this session
                 session.engine_errors.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
                 raise
