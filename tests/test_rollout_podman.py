@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,11 @@ def _rollout(tiny_model: Path, run: Path, complete: Callable[[object], str], **k
     return sorted(shards.read_rows(run / "rollouts", Kind.ROLLOUTS), key=lambda r: r.trial_id)
 
 
+def _run_dir(tmp_path: Path) -> Path:
+    """A run directory whose name (the containers' run label) no concurrent test run shares."""
+    return tmp_path / f"run-{uuid.uuid4().hex[:12]}"
+
+
 def _containers(run: Path) -> list[str]:
     from legorl.sandbox.host import run_podman
 
@@ -44,7 +50,7 @@ def _containers(run: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_scripted_fix_is_submitted_and_grades_to_one(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
-    run = tmp_path / "run"
+    run = _run_dir(tmp_path)
     task = import_one(run, tmp_path)
     names = ["mini-swe-agent", "openhands", "opencode"]
     scripts = {n: solving_script(n, task) for n in names}
@@ -72,7 +78,7 @@ def test_scripted_fix_is_submitted_and_grades_to_one(tiny_model: Path, base_imag
 def test_container_killed_mid_trial_is_the_agents_outcome(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
     """The agent can kill its own container, so a container that dies after the policy has spoken is
     the agent's outcome (a harness crash), never infrastructure, and not retried."""
-    run = tmp_path / "run"
+    run = _run_dir(tmp_path)
     task = import_one(run, tmp_path)
     solve = scripted(solving_script("mini-swe-agent", task))
     killed = threading.Event()
@@ -96,7 +102,7 @@ def test_container_killed_mid_trial_is_the_agents_outcome(tiny_model: Path, base
 
 
 def test_engine_failure_is_infra_error(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
-    run = tmp_path / "run"
+    run = _run_dir(tmp_path)
     import_one(run, tmp_path)
 
     def complete(call: object) -> str:
@@ -113,7 +119,7 @@ def test_engine_failure_is_infra_error(tiny_model: Path, base_image: str, tmp_pa
 
 @pytest.mark.slow
 def test_hanging_harness_times_out_and_is_killed(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
-    run = tmp_path / "run"
+    run = _run_dir(tmp_path)
     import_one(run, tmp_path)
     hang = {"mini-swe-agent": [tool_call("bash", {"command": "sleep 600"})],
             "opencode": [tool_call("bash", {"command": "sleep 600", "description": "wait"})]}
@@ -136,7 +142,7 @@ def test_hanging_harness_times_out_and_is_killed(tiny_model: Path, base_image: s
 
 
 def test_garbage_tool_calls_are_the_harness_business(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
-    run = tmp_path / "run"
+    run = _run_dir(tmp_path)
     import_one(run, tmp_path)
     garbage = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"\n</tool_call>'
 
@@ -185,7 +191,7 @@ def test_external_proxy_url(tiny_model: Path, base_image: str, tmp_path: Path) -
     from legorl.proxy.server import ProxyServer
     from legorl.stages.rollout import RemoteProxy
 
-    run = tmp_path / "run"
+    run = _run_dir(tmp_path)
     task = import_one(run, tmp_path)
     engine = ScriptedEngine(str(tiny_model), scripted(solving_script("mini-swe-agent", task)), max_context=32768)
     cfg = RolloutConfig(run=run, harnesses=["mini-swe-agent"], timeout_s=180, max_turns=4)
@@ -198,7 +204,7 @@ def test_external_proxy_url(tiny_model: Path, base_image: str, tmp_path: Path) -
 
 
 def test_claude_code_scripted_fix_grades_to_one(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
-    run = tmp_path / "run"
+    run = _run_dir(tmp_path)
     task = import_one(run, tmp_path)
     [row] = _rollout(tiny_model, run, scripted(solving_script("claude-code", task)), harnesses=["claude-code"],
                      retries=0)
