@@ -50,6 +50,9 @@ def register(app: typer.Typer) -> None:
         report_to: Annotated[
             str, typer.Option("--report-to", help="TRL reporters, comma-separated (tensorboard, wandb) or none.")
         ] = "none",
+        temperature: Annotated[float | None, typer.Option(
+            "--temperature", help="Only for shards that do not record their sampling (default 1.0); the proxy "
+            "records it on every call and the trainer uses that: a different value here is refused.")] = None,
         seed: Annotated[int, typer.Option("--seed")] = 0,
         bf16: Annotated[bool, typer.Option("--bf16", help="Train in bfloat16.")] = False,
         json_out: JsonOption = False,
@@ -70,6 +73,7 @@ def register(app: typer.Typer) -> None:
             trial_weighting=trial_weighting,  # type: ignore[arg-type]
             routing_replay=routing_replay,  # type: ignore[arg-type]
             report_to=[r.strip() for r in report_to.split(",") if r.strip()],
+            temperature=temperature,
             seed=seed,
             bf16=bf16,
         )

@@ -97,6 +97,12 @@ CALL_TYPE = pa.struct(
         pa.field("finish_reason", pa.string()),
         pa.field("parse_error", pa.string()),
         pa.field("budget_stop", pa.string()),
+        # The distribution the call sampled from, after the proxy's overrides (null for a budget stop,
+        # which samples nothing, and in shards written before they were recorded). temperature 0 is
+        # greedy (its logprobs are those at temperature 1); top_k 0 = off.
+        pa.field("temperature", pa.float64()),
+        pa.field("top_p", pa.float64()),
+        pa.field("top_k", pa.int64()),
     ]
 )
 
@@ -310,6 +316,9 @@ class Call(_Row):
     finish_reason: str | None = None
     parse_error: str | None = None
     budget_stop: str | None = None
+    temperature: float | None = None  # sampling that shaped the call's distribution (see CALL_TYPE)
+    top_p: float | None = None
+    top_k: int | None = None
 
 
 @dataclass(slots=True)

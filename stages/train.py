@@ -32,6 +32,7 @@ from legorl.training.batching import make_batches
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData, load_step
 from legorl.training.metrics import MetricsRecorder, harness_split
+from legorl.training.sampling import StepSampling, step_sampling
 from legorl.training.weighting import segment_scales
 
 LATEST = "latest"
@@ -143,6 +144,7 @@ def run_train(
         return TrainResult(data.step, final, info.get("updates", 0), len(data.trials), len(data.sequences),
                            dict(data.dropped), info.get("metrics", {}), info.get("started_from", ""), already_done=True)
 
+    sampling = step_sampling(data, config.temperature)  # refuses what the trainer cannot score exactly
     init_from, carry, resume_ckpt = Path(model_dir), None, None
     partial_ckpts = sorted(partial.glob("checkpoint-*"), key=_checkpoint_number) if partial.is_dir() else []
     latest = latest_checkpoint(checkpoints)
@@ -164,7 +166,7 @@ def run_train(
 
     recorder = prepare(data, config)
     batches = make_batches(data, config.groups_per_batch, seed=config.seed + data.step)
-    trainer = _build_trainer(init_from, partial, data, batches, config, carry, list(callbacks))
+    trainer = _build_trainer(init_from, partial, data, batches, config, carry, list(callbacks), sampling=sampling)
 
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume_ckpt) if resume_ckpt else None)
@@ -199,7 +201,7 @@ def run_train(
     (tmp / INFO_FILE).write_text(json.dumps({
         "step": data.step, "run": str(run.root), "started_from": started_from, "updates": state.global_step,
         "trials": len(data.trials), "sequences": len(data.sequences), "dropped": dict(data.dropped),
-        "config": config.to_dict(), "metrics": summary,
+        "config": config.to_dict(), "sampling": sampling.to_dict(), "metrics": summary,
     }, indent=2, sort_keys=True))
     os.replace(tmp, final)
     _write_latest(checkpoints, final.name)
@@ -210,7 +212,7 @@ def run_train(
 
 def _build_trainer(
     init_from: Path, output_dir: Path, data: StepData, batches: list[list[int]], config: TrainConfig,
-    carry: Path | None, callbacks: list[Any],
+    carry: Path | None, callbacks: list[Any], *, sampling: StepSampling | None = None,
 ) -> Any:
     import warnings
 
@@ -222,6 +224,7 @@ def _build_trainer(
 
     # TRL 1.16 still passes transformers 5's renamed gradient_checkpointing options: not ours to fix.
     warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+    sampling = sampling or step_sampling(data, config.temperature)
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(init_from, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(init_from)
@@ -245,7 +248,7 @@ def _build_trainer(
         epsilon=config.epsilon,
         epsilon_high=config.epsilon_high,
         beta=config.beta,
-        temperature=config.temperature,
+        temperature=sampling.logprob_temperature,  # the rollouts' (sampling.py), never assumed
         max_completion_length=config.max_length or max(len(s) for s in data.sequences),
         logging_steps=1,
         save_strategy="steps",

@@ -267,6 +267,8 @@ class ProxyCore:
             except Exception as exc:  # the engine failed: an infrastructure error of this session
                 session.engine_errors.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
                 raise
+            # The distribution actually sampled (after overrides and the greedy rule): a trainer reads it.
+            call.temperature, call.top_p, call.top_k = params.temperature, params.top_p, params.top_k
             result = self._finish(session, req, plan, gen, text, call, t0)
             yield result
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -60,8 +61,10 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    temperature: float = 1.0
-    """Sampling temperature the rollouts used; the trainer's logprobs are taken at the same one."""
+    temperature: float | None = None
+    """Sampling temperature of the rollouts, only for shards that do not record it (then default 1.0).
+    The proxy records the sampling of every call and the trainer takes it from there; a value given
+    here that differs from the recorded one is refused (:mod:`legorl.training.sampling`)."""
 
     routing_replay: Replay = "auto"
     """Force the experts recorded at generation (MoE): ``auto`` = when the model is MoE and the
@@ -105,6 +108,8 @@ class TrainConfig:
             raise ConfigError(f"groups_per_batch must be >= 1 (got {self.groups_per_batch})")
         if self.learning_rate <= 0:
             raise ConfigError(f"learning rate must be > 0 (got {self.learning_rate})")
+        if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
 
     @property
     def reward_scale(self) -> RewardScale:

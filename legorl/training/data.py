@@ -8,6 +8,9 @@ its own loss mask, rollout logprobs and routing. What is left out, and why:
   group entirely, so they neither enter the baseline as reward 0 nor get gradient;
 - segments whose reason is not trained on (auxiliary calls by default) or that hold no sampled token.
 
+Each trial keeps the sampling its trained segments' calls record (:attr:`Trial.sampling`); the
+step's sampling is decided from them in :mod:`legorl.training.sampling`.
+
 A segment whose rollout logprobs are not finite on a sampled (loss-masked) token is never dropped:
 the proxy and the engines refuse to record such a call, so one in a shard means the shard is
 corrupt, and :func:`load_step` refuses the step with an error naming the trial and segment (a
@@ -29,8 +32,9 @@ from legorl import shards
 from legorl.errors import LegorlError
 from legorl.paths import RunDir
 from legorl.schemas import GradeStatus, Kind, SegmentReason
+from legorl.training.sampling import CallSampling
 
-_ROLLOUT_COLUMNS = ["task_id", "harness", "step", "group_id", "infra_failure", "segments"]
+_ROLLOUT_COLUMNS = ["task_id", "harness", "step", "group_id", "infra_failure", "segments", "calls"]
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Trial:
     resolved: bool
     sequences: list[int] = field(default_factory=list)  # indices into StepData.sequences
     advantage: float = 0.0
+    sampling: list[CallSampling] = field(default_factory=list)  # of the calls that built trained segments
 
     def n_sampled(self, data: StepData) -> int:
         return sum(data.sequences[i].n_sampled for i in self.sequences)
@@ -169,6 +174,9 @@ def load_step(
         if not trial.sequences:
             data.dropped["trial_without_sampled_tokens"] += 1
             continue
+        trained = {data.sequences[i].segment_index for i in trial.sequences}
+        trial.sampling = [CallSampling.from_call(c) for c in row["calls"] or []
+                          if c.get("segment") in trained and not c.get("budget_stop")]
         data.trials.append(trial)
     if not data.trials:
         raise LegorlError(f"{run.root}: step {step} has no trainable trials (dropped: {dict(data.dropped)})")
