@@ -62,6 +62,8 @@ def register(app: typer.Typer) -> None:
             fail(f"--model {model}: not a model directory (no config.json)")
         layout = RunDir.at(run)
         names = parse_names(harness)
+        # The trainer reads the temperature from the calls the proxy records; passing it too keeps old
+        # shards of a resumed run at it, and checks that the proxy really sampled at it.
         train_config = TrainConfig(
             loss=loss,  # type: ignore[arg-type]
             importance_sampling=importance_sampling,  # type: ignore[arg-type]
