@@ -238,3 +238,30 @@ def test_greedy_and_partly_recorded_steps() -> None:
     with pytest.raises(LegorlError, match="no temperature"):
         step_sampling(_data([_call(0, None, 1.0, 0)]))
 
+
+
+def test_calls_record_the_requested_sampling_after_the_greedy_rule_and_overrides(tiny_model: Path) -> None:
+    """Without an override each call records what its request asked (a tiny temperature as the greedy 0
+    it samples at); with one, the override. Both APIs, streaming or not."""
+    from proxy_support import scripted_engine
+    from transformers import AutoTokenizer
+
+    from legorl.proxy.core import SamplingOverride
+    from legorl.proxy.server import ProxyServer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    msgs: list[Any] = [{"role": "user", "content": "hi"}]
+    for override, want in ((None, [(0.0, 0.9, 0), (0.5, 1.0, 7), (1.0, 1.0, 0)]),
+                           (SamplingOverride(temperature=0.7, top_p=1.0, top_k=0), [(0.7, 1.0, 0)] * 3)):
+        with ProxyServer(scripted_engine(tokenizer), tokenizer, sampling=override) as proxy:
+            sid = proxy.new_session()
+            oa: Any = openai.OpenAI(base_url=proxy.openai_base_url(sid), api_key="x", max_retries=0)
+            oa.chat.completions.create(model="m", messages=msgs, temperature=5e-5, top_p=0.9)
+            an = anthropic.Anthropic(base_url=proxy.anthropic_base_url(sid), api_key="x", max_retries=0)
+            with an.messages.stream(model="m", max_tokens=5, messages=msgs,
+                                    extra_body={"temperature": 0.5, "top_k": 7}) as s:
+                "".join(s.text_stream)
+            list(oa.chat.completions.create(model="m", messages=msgs, stream=True))
+            calls = proxy.capture(sid).calls
+        assert [c.stream for c in calls] == [False, True, True]
+        assert [(c.temperature, c.top_p, c.top_k) for c in calls] == want
