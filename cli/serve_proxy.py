@@ -65,7 +65,8 @@ def register(app: typer.Typer) -> None:
                     eng = make_engine("vllm", base_url=upstream, served_model_dir=model)
             server = ProxyServer(eng, tokenizer, host=host, port=port, api_key=api_key, budgets=budgets,
                                  run_dir=run, parser=parser,
-                                 sampling=SamplingOverride(temperature=temperature, top_p=top_p),
+                                 sampling=(SamplingOverride.policy(temperature, top_p) if temperature is not None
+                                           else SamplingOverride(top_p=top_p)),
                                  single_session=single_session).start()
         except LegorlError as exc:
             fail(str(exc))

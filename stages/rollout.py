@@ -189,7 +189,7 @@ class InProcessProxy:
         from legorl.proxy.server import ProxyServer
 
         self.engine = WatchedEngine(engine)
-        sampling = SamplingOverride(temperature=temperature) if temperature is not None else None
+        sampling = SamplingOverride.policy(temperature) if temperature is not None else None
         self.server = ProxyServer(self.engine, tokenizer, sampling=sampling)
         self.model = engine.name
         self.context_tokens: int | None = engine.max_context

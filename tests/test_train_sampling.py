@@ -252,7 +252,9 @@ def test_calls_record_the_requested_sampling_after_the_greedy_rule_and_overrides
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     msgs: list[Any] = [{"role": "user", "content": "hi"}]
     for override, want in ((None, [(0.0, 0.9, 0), (0.5, 1.0, 7), (1.0, 1.0, 0)]),
-                           (SamplingOverride(temperature=0.7, top_p=1.0, top_k=0), [(0.7, 1.0, 0)] * 3)):
+                           (SamplingOverride(temperature=0.7, top_p=1.0, top_k=0), [(0.7, 1.0, 0)] * 3),
+                           # what `legorl rollout --temperature` uses: truncation a harness asks for is undone
+                           (SamplingOverride.policy(0.7), [(0.7, 1.0, 0)] * 3)):
         with ProxyServer(scripted_engine(tokenizer), tokenizer, sampling=override) as proxy:
             sid = proxy.new_session()
             oa: Any = openai.OpenAI(base_url=proxy.openai_base_url(sid), api_key="x", max_retries=0)

@@ -86,6 +86,12 @@ class SamplingOverride:
     top_p: float | None = None
     top_k: int | None = None
 
+    @classmethod
+    def policy(cls, temperature: float, top_p: float | None = None) -> SamplingOverride:
+        """The policy's own distribution: the full softmax at ``temperature`` (no top-k, top-p 1 unless
+        given), the one the trainer can recompute — whatever truncation a harness asks for."""
+        return cls(temperature=temperature, top_p=1.0 if top_p is None else top_p, top_k=0)
+
     def apply(self, req: ChatRequest) -> None:
         if self.temperature is not None:
             req.temperature = self.temperature
