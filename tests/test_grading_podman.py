@@ -387,3 +387,35 @@ def test_task_image_with_its_own_testbed(base_image: str, tmp_path: Path) -> Non
         assert (row.reward, row.infra_failure, row.dropped_paths) == (0.0, False, ["conftest.py"])
     finally:
         run_podman(["rmi", "-f", image], timeout=120, check=False)
+
+
+FORGE_REPORT_AT_EXIT = """import json as _json, os as _os, weakref as _weakref
+def _forge(fd=_os.dup(3)):
+    doc = {"nonce": "?", "exitstatus": 0, "statuses": {n: "PASSED" for n in NAMES}, "tampered": []}
+    _os.write(fd, _json.dumps(doc).encode())
+    for path in ("/tmp/.legorl-report/report.json", "/tmp/.legorl-grade/report.json"):
+        try:
+            with open(path, "w") as f:
+                f.write(_json.dumps(doc))
+        except OSError:
+            pass
+_keep = type("_K", (), {})()
+_weakref.finalize(_keep, _forge)
+"""
+WRITE_REPORT_FD_EARLY = """import os as _os
+_os.write(3, b'{"nonce": "x", "exitstatus": 0, "statuses": {}}')
+"""
+
+
+def test_the_report_cannot_be_forged_from_the_test_process(base_image: str, shipped: dict[str, TaskRow]) -> None:
+    """The test user can neither read the report back (its nonce), nor reach it by name, nor replace
+    it: the descriptor is append-only and root takes exactly one JSON document, so a copy of the
+    descriptor written at exit, or a write before the recorder's, leaves no valid report (reward 0)."""
+    task = shipped["cachetools__compare-0bc4b363"]
+    names = sorted(task.FAIL_TO_PASS + task.PASS_TO_PASS)
+    grader = Grader(GradeOptions(test_timeout=120, suspicious_scores_zero=False))
+    for name, code in (("forge at exit", f"NAMES = {names!r}\n" + FORGE_REPORT_AT_EXIT),
+                       ("write early", WRITE_REPORT_FD_EARLY)):
+        row = grader.grade(task, (task.patch or "") + _append(task, "src/cachetools/__init__.py", code), name)
+        assert (row.reward, row.infra_failure, row.status) == (0.0, False, "tests_errored"), (name, row.error)
+    assert grader.grade(task, task.patch).reward == 1.0

@@ -13,9 +13,9 @@ size-capped tmpfs mounts, so nothing in it can fill the host's disk):
    made root's and read-only to everyone else (so the code under test cannot rewrite a test module
    pytest has not read yet, plant bytecode, or drop a module on ``sys.path``), and the tests run as
    the unprivileged user through :mod:`legorl.grading.sandboxed.runner`, their output going to a
-   root-owned file on the size-capped tmpfs; afterwards every process of that user is killed (a
-   daemon the tests left cannot hold the grade open) and root prints the output (capped) and the
-   runner's report file.
+   root-owned file on the size-capped tmpfs and the runner's report through an append-only
+   descriptor on a root-only file; afterwards every process of that user is killed (a daemon the
+   tests left cannot hold the grade open) and root prints the output (capped) and the report.
 
 What the host learns comes from **event lines** ``@@legorl <nonce> <event> [data]``. The nonce is
 drawn per grade and lives only in the script, which sits in a root-only folder, so code under test
@@ -41,7 +41,7 @@ from pathlib import Path
 
 WORK = "/tmp/.legorl-grade"  # root-only (0700): the script, its inputs, the pristine copy
 RUNNER_DIR = "/tmp/.legorl-runner"  # root-owned, readable: the runner the test user runs
-REPORT = "/tmp/.legorl-report/report.json"
+REPORT_FD = 3  # the runner's report goes to this descriptor, root's append-only file in WORK
 TEST_UID = 1777
 APPLY_TIMEOUT_S = 120  # per apply method: a patch that stalls an applier simply does not apply
 # The test user's environment: its own HOME; git may read the (root-owned) repository.
@@ -104,7 +104,7 @@ def grading_script(nonce: str, report_nonce: str, *, has_patch: bool, has_test_p
     pytest = parse_pytest_command(command)
     if pytest is not None:
         env = " ".join(q(e) for e in pytest.env)
-        run = (f"env {TEST_ENV} {env} {q(pytest.python)} -I {RUNNER_DIR}/runner.py {REPORT} {RUNNER_DIR}/changes.json "
+        run = (f"env {TEST_ENV} {env} {q(pytest.python)} -I {RUNNER_DIR}/runner.py {REPORT_FD} {RUNNER_DIR}/changes.json "
                + " ".join(q(a) for a in pytest.args))
         mode = "runner"
     else:
@@ -160,12 +160,12 @@ cd /testbed || exit 0
 {test_patch_block}if [ -d $W/git ]; then mv $W/git /testbed/.git; fi
 rm -rf $W/pristine
 chown -R 0:0 /testbed && chmod -R go-w,a+rX /testbed || {{ ev infra "cannot seal the testbed"; exit 0; }}
-mkdir -p /tmp/.legorl-home /tmp/.legorl-report {RUNNER_DIR} && cp $W/runner.py $W/changes.json {RUNNER_DIR}/ \\
-  && chmod 755 {RUNNER_DIR} && chmod 644 {RUNNER_DIR}/runner.py {RUNNER_DIR}/changes.json && chown $U:$U /tmp/.legorl-home /tmp/.legorl-report \\
-  && chmod 700 /tmp/.legorl-report || {{ ev infra "cannot prepare the test run"; exit 0; }}
+mkdir -p /tmp/.legorl-home {RUNNER_DIR} && cp $W/runner.py $W/changes.json {RUNNER_DIR}/ \\
+  && chmod 755 {RUNNER_DIR} && chmod 644 {RUNNER_DIR}/runner.py {RUNNER_DIR}/changes.json \\
+  && chown $U:$U /tmp/.legorl-home && : > $W/report.json || {{ ev infra "cannot prepare the test run"; exit 0; }}
 ev tests_start {mode}
 echo '{START_MARKER}'
-timeout -k 5 {timeout:g} setpriv --reuid=$U --regid=$U --clear-groups {run} >$W/test.out 2>&1 <<< {q(report_nonce)}
+timeout -k 5 {timeout:g} setpriv --reuid=$U --regid=$U --clear-groups {run} >$W/test.out 2>&1 {REPORT_FD}>>$W/report.json <<< {q(report_nonce)}
 code=$?
 kill_user
 head -c {MAX_TEST_OUTPUT} $W/test.out
@@ -174,8 +174,7 @@ echo '{END_MARKER}'
 ev tests_end "$code"
 if [ "$code" = 124 ] || [ "$code" = 137 ]; then echo '>>>>> Tests Timed Out'; fi
 echo "{EXIT_CODE_MARKER}: $code"
-R={REPORT}
-if [ -f "$R" ] && [ ! -L "$R" ]; then ev report "$(head -c 50000000 "$R" | base64 -w0)"; fi
+if [ -s $W/report.json ]; then ev report "$(head -c 50000000 $W/report.json | base64 -w0)"; fi
 ev done
 """
 

@@ -12,8 +12,8 @@ read-only folder outside the tree. In order:
    working folder and ``PYTHONPATH``'s folders at the front of ``sys.path`` as ``python -m pytest``
    would;
 4. it runs ``pytest.main`` with a recorder plugin that takes each test's status from pytest's own
-   reports and writes them, with the nonce and pytest's exit status, to the report file when the
-   session ends — and with the runner's functions and classes that the code under test swapped
+   reports and writes them, with the nonce and pytest's exit status, through the report descriptor
+   (:class:`ReportChannel`) when the session ends — and with the runner's functions and classes that the code under test swapped
    (compared by identity with a snapshot taken before the repository was importable). The grading script, not this process, then reads the file and checks the exit
    status it saw against the one reported.
 
@@ -22,7 +22,7 @@ patch's own lines do to the interpreter while the tests run (trace functions, ``
 ``ctypes``, ``exec``/``compile`` called directly, attributes set on the runner's or ``unittest``'s
 classes), and ``builtins`` is compared by identity; any finding also goes in the report.
 
-Usage: ``python3 -I runner.py REPORT_PATH CHANGES_JSON [pytest args...] < nonce`` (CHANGES_JSON:
+Usage: ``python3 -I runner.py REPORT_FD CHANGES_JSON [pytest args...] < nonce`` (CHANGES_JSON:
 the judge's ``added`` map, path -> added line numbers or null for a whole file). Python 3.8+.
 """
 
@@ -205,8 +205,9 @@ def foreign_plugins(config: object, tree: str) -> list[str]:
 
 
 class Recorder:
-    def __init__(self, nonce: str, path: str, pristine: dict[tuple[str, ...], object], guard: Guard) -> None:
-        self.nonce, self.path, self.pristine, self.guard = nonce, path, pristine, guard
+    def __init__(self, nonce: str, report: ReportChannel, pristine: dict[tuple[str, ...], object],
+                 guard: Guard) -> None:
+        self.nonce, self.report, self.pristine, self.guard = nonce, report, pristine, guard
         self.statuses: dict[str, str] = {}
         self.collect_errors = 0
         self.collected = 0
@@ -244,13 +245,52 @@ class Recorder:
         data = {"nonce": self.nonce, "exitstatus": int(exitstatus),  # type: ignore[call-overload]
                 "collected": self.collected, "collect_errors": self.collect_errors, "statuses": self.statuses,
                 "tampered": self.tampered}
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
+        self.report.send(data)
+
+
+class ReportChannel:
+    """The descriptor root opened for the report (append-only, on a file in a root-only folder).
+
+    The test process can write to it but never read it back, never reach the file by name, and
+    (``O_APPEND``) only ever add to it: root accepts exactly one JSON document, so anything written
+    besides the recorder's makes the report invalid. The recorder writes once and closes it; a copy
+    of the descriptor the code under test made beforehand is reported as tampering. The os functions
+    used are bound before the repository is importable.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._write, self._close, self._fstat, self._listdir = os.write, os.close, os.fstat, os.listdir
+        st = self._fstat(fd)  # fails now, before any test, when root passed no descriptor
+        self._key = (st.st_dev, st.st_ino)
+
+    def copies(self) -> list[int]:
+        out = []
+        for name in self._listdir("/proc/self/fd"):
+            other = int(name)
+            if other == self.fd:
+                continue
+            try:
+                st = self._fstat(other)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == self._key:
+                out.append(other)
+        return out
+
+    def send(self, data: dict[str, object]) -> None:
+        copies = self.copies()
+        if copies:
+            data["tampered"] = [*list(data.get("tampered") or []), f"report descriptor copied to fd {copies}"]  # type: ignore[call-overload]
+        payload = json.dumps(data).encode()
+        while payload:
+            payload = payload[self._write(self.fd, payload):]
+        self._close(self.fd)
 
 
 def main() -> None:
-    report_path, changes_path, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    report_fd, changes_path, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    report = ReportChannel(report_fd)
     with open(changes_path) as f:
         added = json.load(f)
     nonce = sys.stdin.readline().strip()
@@ -262,7 +302,7 @@ def main() -> None:
     os.environ.pop("PYTEST_ADDOPTS", None)
     guard = Guard(os.getcwd(), added)
     sys.addaudithook(guard)
-    recorder = Recorder(nonce, report_path, runner_objects(), guard)
+    recorder = Recorder(nonce, report, runner_objects(), guard)
     extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[0:0] = [os.getcwd(), *extra]
     import pytest
