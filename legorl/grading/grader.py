@@ -39,7 +39,15 @@ from legorl.errors import LegorlError
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
 from legorl.grading.patches import split_patch, touched_paths
 from legorl.grading.report import evaluate, failed_report
-from legorl.grading.script import SANDBOXED_DIGEST, bundle, grade_files, parse_pytest_command, read_events
+from legorl.grading.script import (
+    APPLY_METHODS,
+    APPLY_TIMEOUT_S,
+    SANDBOXED_DIGEST,
+    bundle,
+    grade_files,
+    parse_pytest_command,
+    read_events,
+)
 from legorl.paths import cache_dir
 from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
 from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
@@ -87,6 +95,9 @@ class Run:
     def failure(self, report_nonce: str) -> str | None:
         """Why the test run did not produce trustworthy results (None: it did)."""
         ev = self.events
+        if "applied" not in ev:  # the container died while the patch was being applied
+            return (f"the grading script stopped while applying the patch (exit {self.result.exit_code}"
+                    f"{', timed out' if self.result.timed_out else ''})")
         if "judge_failed" in ev:
             return f"the patched tree could not be judged: {ev['judge_failed']}"
         if "test_patch_failed" in ev:
@@ -134,11 +145,24 @@ def _trim(log: str) -> str:
 
 
 def _json(text: str) -> dict[str, object] | None:
+    """A JSON object from the container, every string made writable (a lone surrogate — a file name
+    that is not UTF-8, say — becomes a backslash escape)."""
     try:
         data = json.loads(text) if text else None
     except (json.JSONDecodeError, RecursionError):
         return None
-    return data if isinstance(data, dict) else None
+    clean = _writable(data) if isinstance(data, dict) else None
+    return clean if isinstance(clean, dict) else None
+
+
+def _writable(value: object) -> object:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_writable(k): _writable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_writable(v) for v in value]
+    return value
 
 
 class Grader:
@@ -225,10 +249,10 @@ class Grader:
         reference = self.reference(task)
         run, report_nonce = self._execute(task, text)
         out.log = run.result.output
-        if "applied" not in run.events:
-            if "apply_failed" in run.events:
-                self._zero(out, GradeStatus.PATCH_APPLY_FAILED, "the patch did not apply by any method", task)
-                return
+        if "apply_failed" in run.events:
+            self._zero(out, GradeStatus.PATCH_APPLY_FAILED, "the patch did not apply by any method", task)
+            return
+        if "ready" not in run.events:
             raise GradingInfraError(_before_patch_error(run))
         out.apply_method = next((line[len(">>>>> Applied Patch ("):-1] for line in run.result.output.splitlines()
                                  if line.startswith(">>>>> Applied Patch (")), None)
@@ -319,7 +343,7 @@ class Grader:
             return None
         try:
             run, nonce = self._execute(task, task.patch or "")
-            problem = run.failure(nonce) if "applied" in run.events else _before_patch_error(run)
+            problem = run.failure(nonce) if "ready" in run.events else _before_patch_error(run)
         except Exception as exc:  # the control's failure, whatever it is, is the evidence
             problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         with self._lock:
@@ -349,17 +373,17 @@ class Grader:
         command = self.command_for(task)
         files, nonce, report_nonce = grade_files(patch=patch, test_patch=task.test_patch or "",
                                                  hidden=touched_paths(task.test_patch), command=command,
-                                                 timeout=self.options.test_timeout)
+                                                 timeout=self.options.test_timeout, gold=touched_paths(task.patch))
         own_testbed = bool(task.repo_source)
         spec = SandboxSpec(
             image=self.image_for(task), labels={"role": "grade", **self.options.labels},
             network=False, memory=self.options.memory, cpus=self.options.cpus,
-            deadline_s=self.options.test_timeout + 2 * INFRA_SLACK_S,
+            deadline_s=self.options.test_timeout + 2 * INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5),
             read_only=own_testbed,
             tmpfs=((("/testbed", "size=2g,mode=755"),) if own_testbed else ()) + (("/tmp", "size=2g,mode=1777"),),
         )
         stdin = (self._testbed_tar(task) if own_testbed else b"") + bundle(files)
-        timeout = self.options.test_timeout + INFRA_SLACK_S
+        timeout = self.options.test_timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
         if self._run_once is not None:
             res = self._run_once(spec, ["sh", "-c", _UNPACK], stdin=stdin, timeout=timeout)
         else:

@@ -195,8 +195,8 @@ def bundle(files: dict[str, str]) -> bytes:
     return buf.getvalue()
 
 
-def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str, timeout: float
-                ) -> tuple[dict[str, str], str, str]:
+def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str, timeout: float,
+                gold: list[str] | None = None) -> tuple[dict[str, str], str, str]:
     """The files of one grade (script, judge, runner, patches), and its two nonces."""
     nonce, report_nonce = secrets.token_hex(16), secrets.token_hex(16)
     script = grading_script(nonce, report_nonce, has_patch=bool(patch.strip()), has_test_patch=bool(test_patch.strip()),
@@ -206,7 +206,7 @@ def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str,
         "judge.py": _sandboxed("judge.py"),
         "runner.py": _sandboxed("runner.py"),
         "judge.json": json.dumps({"tree": "/testbed", "pristine": f"{WORK}/pristine", "hidden": hidden,
-                                  "changes": f"{WORK}/changes.json"}),
+                                  "changes": f"{WORK}/changes.json", "gold": gold or []}),
         "patch.diff": patch,
         "test.diff": test_patch,
     }

@@ -8,8 +8,9 @@ path that breaks one is put back as it was (or removed when it is new) and repor
 This is the one place these rules live (docs/threat-model.md points here):
 
 - ``.git`` anywhere (the repository's own history is outside the tree while patches apply);
-- the hidden test files (what the task's test_patch touches), their parent directories, and every
-  file under a test directory that holds one;
+- the hidden test files (what the task's test_patch touches), their parent directories, every
+  file under a test directory that holds one, and — beside a hidden test in another folder (a flat
+  layout's root) — the modules only tests can need (not the gold patch's, imported by no other module);
 - symbolic links and special files the patch made, and native code (shared libraries,
   executables: code that no screen can read);
 - files the test runner or the interpreter reads on its own: ``conftest.py``, pytest's and the
@@ -161,7 +162,8 @@ def module_name(name: str, kind: str) -> str | None:
 
 
 class Rules:
-    def __init__(self, tree: str, hidden: list[str], before: dict, now: dict) -> None:
+    def __init__(self, tree: str, hidden: list[str], before: dict, now: dict, pristine: str = "",
+                 gold: frozenset[str] = frozenset()) -> None:
         self.tree, self.before, self.now = tree, before, now
         self.hidden = frozenset(hidden)
         self.hidden_dirs = frozenset(os.path.dirname(p) for p in hidden)
@@ -169,6 +171,7 @@ class Rules:
         self.test_dirs = frozenset(d for d in self.hidden_dirs
                                    if d and os.path.basename(d).lower().startswith(TEST_DIR_PREFIX))
         self._names: frozenset[str] | None = None
+        self.support = support_modules(pristine, before, self.hidden_dirs - self.test_dirs, self.hidden, gold)
 
     def why(self, rel: str) -> str | None:
         parts = rel.split("/")
@@ -179,6 +182,8 @@ class Rules:
             return "git metadata"
         if rel in self.hidden or any(rel.startswith(d + "/") for d in self.test_dirs):
             return "hidden test file"
+        if rel in self.support:
+            return "test support file"
         if rel in self.protected and (kind != "d" or (was is not None and was[0] != "d")):
             return "hidden test file"
         if kind == "l" or (was is not None and was[0] == "l"):
@@ -212,10 +217,40 @@ class Rules:
         return self._names
 
     def _top_level(self, rel: str) -> bool:
-        """Not inside a package: its folder has no __init__.py (so a sys.path entry may be that folder)."""
+        """Not inside a package: its folder has no __init__.py, before or after the patch (so a sys.path
+        entry may be that folder; a new ``__init__.py`` does not change that)."""
         parent = os.path.dirname(rel)
         init = (parent + "/" if parent else "") + "__init__.py"
-        return self.now.get(init, ("",))[0] != "f"
+        return self.now.get(init, ("",))[0] != "f" or self.before.get(init, ("",))[0] != "f"
+
+
+def support_modules(pristine: str, before: dict, dirs: frozenset[str], hidden: frozenset[str],
+                    gold: frozenset[str]) -> frozenset[str]:
+    """Modules beside a hidden test in a folder that is not a test folder (a flat layout's root, say)
+    that only tests can need: not the gold patch's, and imported by no other module of the tree."""
+    import ast
+
+    candidates = {rel for rel, entry in before.items() if entry[0] == "f" and rel.endswith(".py")
+                  and os.path.dirname(rel) in dirs and rel not in gold and rel not in hidden
+                  and os.path.basename(rel) not in ("__init__.py", "setup.py", "conftest.py")}
+    if not candidates:
+        return frozenset()
+    names = {os.path.basename(rel)[:-3]: rel for rel in candidates}
+    used: set[str] = set()
+    for rel, entry in before.items():
+        base = os.path.basename(rel)
+        if entry[0] != "f" or not rel.endswith(".py") or rel in candidates or rel in hidden or base.startswith("test"):
+            continue
+        try:
+            tree = ast.parse(_read(os.path.join(pristine, rel)))
+        except (SyntaxError, ValueError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                used.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                used.update({(node.module or "").split(".")[0], *(a.name for a in node.names)})
+    return frozenset(rel for name, rel in names.items() if name not in used)
 
 
 def _ancestors(rel: str) -> list[str]:
@@ -305,10 +340,10 @@ def screen(rel: str, numbers: list[int], lines: list[str], encoding: str) -> lis
     return out
 
 
-def judge(tree: str, pristine: str, hidden: list[str]) -> dict:
+def judge(tree: str, pristine: str, hidden: list[str], gold: list[str] | None = None) -> dict:
     before, now = scan(pristine), scan(tree)
     changed = changed_paths(tree, pristine, now, before)
-    rules = Rules(tree, hidden, before, now)
+    rules = Rules(tree, hidden, before, now, pristine, frozenset(gold or ()))
     reset: list[list[str]] = []
     done: list[str] = []
     for rel in changed:  # sorted: a folder comes before what is in it
@@ -342,7 +377,7 @@ def judge(tree: str, pristine: str, hidden: list[str]) -> dict:
 def main() -> None:
     with open(sys.argv[1]) as f:
         config = json.load(f)
-    result = judge(config["tree"], config["pristine"], config["hidden"])
+    result = judge(config["tree"], config["pristine"], config["hidden"], config.get("gold"))
     with open(config["changes"], "w") as f:  # the runner's view of which code is the patch's
         json.dump(result["added"], f)
     sys.stdout.write(json.dumps({k: v for k, v in result.items() if k != "added"}) + "\n")

@@ -77,10 +77,13 @@ _MISSING = object()
 # Audit events (PEP 578) the patch's own code has no business raising while its tests run. "exec" and
 # "compile" count only when the patch's line calls them directly (the standard library execs on behalf
 # of pristine code, e.g. dataclasses); the others when the nearest frame in the tree is the patch's.
-CALL_EVENTS = frozenset({"exec", "compile"})
+CALL_EVENTS = frozenset({"exec", "compile", "marshal.loads", "code.__new__"})
 STACK_EVENTS = frozenset({"sys.settrace", "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-                          "sys._current_frames", "sys.addaudithook", "code.__new__", "marshal.loads"})
+                          "sys._current_frames", "sys.addaudithook"})
 SETATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
+SPOOF_ATTRS = frozenset({"__module__", "__code__", "__qualname__", "__name__", "__globals__", "__class__"})
+FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"})
+FRAME_WALKERS = ("traceback.py", "inspect.py")  # stdlib helpers that fetch frames for their caller
 WATCHED = (*RUNNER_PACKAGES, "builtins")
 
 
@@ -120,18 +123,42 @@ class Guard:
     def __call__(self, event: str, args: tuple[object, ...]) -> None:
         try:
             if event in CALL_EVENTS:
-                frame: types.FrameType | None = self._getframe(1)
-                if frame is not None and self.patch_code(frame):
-                    self._found(event, frame)
-            elif event in STACK_EVENTS or event.startswith("ctypes.") or (
-                    event in SETATTR_EVENTS and isinstance(args[0], type)
-                    and str(getattr(args[0], "__module__", "")).split(".")[0] in WATCHED):
-                frame = self._nearest_tree_frame(self._getframe(1))
-                if frame is not None and self.patch_code(frame):
-                    self._found(event if event not in SETATTR_EVENTS else f"{event} {getattr(args[0], '__name__', '')}."
-                                f"{args[1]}", frame)
+                self._direct(event, self._getframe(1))
+            elif event == "sys._getframe":  # direct, or through traceback/inspect (logging's own use is not)
+                caller = self._getframe(1)
+                if caller is not None and caller.f_code.co_filename.endswith(FRAME_WALKERS):
+                    self._stack(event, caller)
+                else:
+                    self._direct(event, caller)
+            elif event == "object.__getattr__":
+                if len(args) > 1 and args[1] in FRAME_ATTRS:
+                    self._stack(f"{event} {args[1]}", self._getframe(1))
+            elif event in SETATTR_EVENTS:
+                target, name = args[0], str(args[1]) if len(args) > 1 else ""
+                if name in SPOOF_ATTRS:
+                    self._stack(f"{event} {name}", self._getframe(1))
+                elif isinstance(target, type) and str(getattr(target, "__module__", "")).split(".")[0] in WATCHED:
+                    self._stack(f"{event} {getattr(target, '__name__', '')}.{name}", self._getframe(1))
+            elif event in STACK_EVENTS or event.startswith("ctypes."):
+                self._stack(event, self._getframe(1))
         except Exception:  # an audit hook must never raise into the code it watches
             pass
+
+    def _direct(self, what: str, frame: types.FrameType | None) -> None:
+        if frame is not None and self.patch_code(frame):
+            self._found(what, frame)
+
+    def _stack(self, what: str, frame: types.FrameType | None) -> None:
+        """The nearest frame in the tree decides; a worker thread with none (driven by C code the patch
+        set going) is the patch's too: pytest runs the tests on the main thread."""
+        import threading
+
+        near = self._nearest_tree_frame(frame)
+        if near is not None:
+            if self.patch_code(near):
+                self._found(what, near)
+        elif threading.current_thread() is not threading.main_thread() and len(self.findings) < 20:
+            self.findings.append(f"{what} in a worker thread with no frame of the tree")
 
     def _found(self, what: str, frame: types.FrameType) -> None:
         if len(self.findings) < 20:
@@ -172,23 +199,43 @@ def runner_objects() -> dict[tuple[str, ...], object]:
     return out
 
 
-def _runner_code(value: object) -> bool:
-    """Whether ``value`` is defined by the runner's own packages (pytest's plugins patch pytest too)."""
+def runner_dirs() -> tuple[str, ...]:
+    """Where the runner's packages live on disk."""
+    out = []
+    for name in RUNNER_PACKAGES:
+        mod = sys.modules.get(name)
+        path = getattr(mod, "__file__", None)
+        if path:
+            out.append(os.path.dirname(path) if os.path.basename(path) == "__init__.py" else path)
+    return tuple(out)
+
+
+def _runner_code(value: object, dirs: tuple[str, ...]) -> bool:
+    """Whether ``value`` is a function whose code lives in the runner's own packages (pytest's plugins
+    patch pytest too). Decided by the code's file, never by a ``__module__`` anyone can set."""
     for attr in ("fget", "__func__"):  # property, staticmethod, classmethod
         value = getattr(value, attr, None) or value
-    module = getattr(value, "__module__", None)
-    return isinstance(module, str) and module.split(".")[0] in RUNNER_PACKAGES
+    code = getattr(value, "__code__", None)
+    return isinstance(getattr(code, "co_filename", None), str) and code.co_filename.startswith(dirs)  # type: ignore[union-attr]
 
 
-def changed_objects(before: dict[tuple[str, ...], object]) -> list[str]:
-    """The runner objects that were replaced by (or removed for) something not of the runner's own."""
+def changed_objects(before: dict[tuple[str, ...], object], dirs: tuple[str, ...]) -> list[str]:
+    """The runner objects that were replaced by (or removed for) something not of the runner's own, and
+    members added to the runner's classes that are not the runner's own (a new property can shadow an
+    inherited one)."""
     out = []
+    classes = {k[:2] for k in before if len(k) == 3}  # the runner's own classes, whose members were taken
     for key, value in before.items():
         holder: object = sys.modules.get(key[0], _MISSING)
         for part in key[1:]:
             holder = vars(holder).get(part, _MISSING) if holder is not _MISSING else _MISSING
-        if holder is not value and (holder is _MISSING or not _runner_code(holder)):
+        if holder is not value and (holder is _MISSING or not _runner_code(holder, dirs)):
             out.append(".".join(key))
+        if len(key) == 2 and isinstance(value, type) and holder is value and key in classes:
+            for member, new in list(vars(value).items()):
+                if (key[0], key[1], member) not in before and (callable(new) or isinstance(
+                        new, (staticmethod, classmethod, property))) and not _runner_code(new, dirs):
+                    out.append(".".join((*key, member)))
     return out
 
 
@@ -208,6 +255,7 @@ class Recorder:
     def __init__(self, nonce: str, report: ReportChannel, pristine: dict[tuple[str, ...], object],
                  guard: Guard) -> None:
         self.nonce, self.report, self.pristine, self.guard = nonce, report, pristine, guard
+        self.dirs = runner_dirs()
         self.statuses: dict[str, str] = {}
         self.collect_errors = 0
         self.collected = 0
@@ -215,8 +263,10 @@ class Recorder:
 
     def _check(self, session: object) -> None:
         if not self.tampered:
-            found = (changed_objects(self.pristine) + foreign_plugins(getattr(session, "config", None), os.getcwd())
-                     + self.guard.check())
+            found = (changed_objects(self.pristine, self.dirs)
+                     + foreign_plugins(getattr(session, "config", None), os.getcwd()) + self.guard.check())
+            if type(self.statuses) is not dict:
+                found.append("the recorder's statuses were replaced")
             self.tampered = found[:20]
 
     def pytest_collection_finish(self, session: object) -> None:
@@ -246,6 +296,22 @@ class Recorder:
                 "collected": self.collected, "collect_errors": self.collect_errors, "statuses": self.statuses,
                 "tampered": self.tampered}
         self.report.send(data)
+
+
+def _encode(value: object) -> str:
+    """JSON of the report's plain data, without the ``json`` module the code under test shares."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return int.__repr__(int(value))
+    if isinstance(value, str):
+        return '"' + "".join(c if c.isprintable() and c not in '"\\' and ord(c) < 0x7f else f"\\u{ord(c):04x}"
+                             if ord(c) < 0x10000 else c for c in str.__str__(value)) + '"'
+    if isinstance(value, dict):
+        return "{" + ",".join(_encode(str(k)) + ":" + _encode(v) for k, v in dict.items(value)) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_encode(v) for v in value) + "]"
+    return _encode(str(value))
 
 
 class ReportChannel:
@@ -282,7 +348,7 @@ class ReportChannel:
         copies = self.copies()
         if copies:
             data["tampered"] = [*list(data.get("tampered") or []), f"report descriptor copied to fd {copies}"]  # type: ignore[call-overload]
-        payload = json.dumps(data).encode()
+        payload = _encode(data).encode("utf-8", "backslashreplace")
         while payload:
             payload = payload[self._write(self.fd, payload):]
         self._close(self.fd)
