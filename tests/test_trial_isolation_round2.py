@@ -21,8 +21,8 @@ Each test asserts the SAFE behaviour; the ones that fail document a hole that is
   ``.gitattributes``) that sleeps; ``PodmanSandbox.patch`` runs ``git add -A`` through the podman
   API service, where ``_run`` ignores its timeout: the stage hangs for ever.
 - R2-4 ``test_the_patch_is_what_the_tree_holds``: a clean filter rewrites what ``git add`` stages,
-  so the recorded patch holds text that is in no file of the agent's tree (``git replace`` of the
-  base commit does the same).
+  so the recorded patch holds text that is in no file of the agent's tree (git runs with the
+  agent's ``.git/config`` and ``.gitattributes``; only ``safe.directory`` is set for it).
 - R2-5 ``test_the_patch_taken_from_the_container_is_capped``: an untracked 48 MB random file
   makes a ~65 MB ``--binary`` patch, held whole in the host's memory and written into the row:
   no cap (the trial-file reader caps at 16 MB; the patch has none).
@@ -34,26 +34,27 @@ Each test asserts the SAFE behaviour; the ones that fail document a hole that is
   event loop, so every other session (other trials' calls) waits seconds per request
   (a 1M-entry ``stop`` list does the same: ~1 s of loop time per sampled token).
 
-Attacks tried that held (``test_relay_and_socket_smuggling_held`` checks the raw-byte ones):
+Attacks tried that held (the first group checked by ``test_relay_and_socket_smuggling_held``):
 
-- pipelined requests on one relay connection: own session, then another session / ``/finish`` /
-  ``/sessions``: each request is checked, the others 404
-- ``Transfer-Encoding: chunked`` + ``Content-Length`` both given, an obs-fold TE header, a bare-LF
-  request: rejected or routed by the one parser that also applies the check (404 / 400)
-- absolute-form request target ``POST http://x/sess/<other>/...``: path checked, 404
-- percent-encoding (``%2F``, ``%2e%2e``, ``%73ess``), ``//``, trailing ``/``, ``;params``, unicode
-  look-alike ids, ``?`` and ``#`` tricks: ``session_route`` wants the decoded path to be exactly
-  ``/sess/<id>`` + a model route, anything else is a 404
-- WebSocket upgrade on the relay: refused (the app answers only ``http``)
-- keep-alive reuse after the session is finished: 404 (the bound app checks the session per request)
-- a request body that never ends when the socket closes: uvicorn's 5 s graceful shutdown then
-  cancels it; the stage goes on (``listener.close``)
-- binding a socket in ``/legorl-proxy``: read-only mount (EROFS); the host folder is a ``mkdtemp``
-  (0700) under /tmp, removed after the trial
-- killing the relay / PID 1 (catatonit) after a call: the container dies, ``harness_crash``
-  (the agent's); before any call there is nothing of the policy yet (infra is right)
-- links, fifos and huge files in the trial folder (round 1), ``command.txt`` is written before
-  the agent runs; the host never writes into the trial folder after the harness starts
+- pipelined requests on one relay connection (own session, then another session's call,
+  ``/finish``, another's ``/trajectory``, ``/sessions``): each request is checked on its own;
+  nothing reaches the other session and its own session is not finished early (uvicorn is slow to
+  answer a pipelined second request, but never routes it elsewhere)
+- ``Transfer-Encoding: chunked`` + ``Content-Length`` together, an obs-folded TE header: 400
+- absolute-form target ``POST http://x/sess/<other>/...``: the path is checked, 404
+- percent-encoding (``%2F..%2F``, ``/%2e%2e/``, ``/%73ess/``), ``//``, a trailing ``/``, ``;``,
+  a Cyrillic look-alike id (400), ``?`` and ``#`` tricks: ``session_route`` wants the decoded
+  path to be exactly ``/sess/<id>`` + a model route; everything else is a 404
+- a WebSocket upgrade on the relay: 404 (the bound app answers only ``http``)
+- binding a socket in ``/legorl-proxy``: EROFS (read-only mount)
+
+Held by reading the code (no test added): keep-alive reuse after the session is finished (the
+bound app looks the session up per request; the forwarder has ``closed``); a request body still
+uploading when the socket closes (uvicorn's 5 s graceful shutdown cancels it, then ``finish``);
+the host socket folder is a ``mkdtemp`` (0700), removed after the trial; killing the relay or PID
+1 after a call kills the container (``harness_crash``, the agent's); the host writes into the
+trial folder only before the harness starts (``command.txt``, configs); ``--no-ext-diff`` stops
+``diff.external``; forwarded paths are exact strings, so the forwarder cannot be steered upstream.
 
 Design weaknesses found but not turned into a failing test here: (1) memory: ``read_body`` holds
 up to 64 MB per request with no limit on concurrent requests per session, so ~100 stalled
@@ -423,7 +424,7 @@ other = cfg["other"]
 own = cfg["session"]
 chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4})
 
-def raw(data, wait=3.0):
+def raw(data, wait=1.5):
     s = socket.create_connection(("127.0.0.1", cfg["port"]), timeout=wait)
     s.sendall(data)
     got = b""
@@ -454,7 +455,7 @@ cases = {
     "double slash": req("//sess/%s/v1/chat/completions" % other),
     "trailing slash": req("/sess/%s/v1/chat/completions/" % own),
     "semicolon": req("/sess/%s;/v1/chat/completions" % own),
-    "unicode id": req("/sess/%s/v1/chat/completions" % own.replace("a", "\u0430").encode("utf-8").decode("latin-1")),
+    "unicode id": req("/sess/%s/v1/chat/completions" % ("\u0430" + own[1:]).encode("utf-8").decode("latin-1")),
     "query other": req(good.replace(own, other) + "?s=" + own),
     "fragment": req("/sess/%s/v1/chat/completions#/sess/%s/v1/chat/completions" % (other, own)),
     "te+cl": req(good, extra="Transfer-Encoding: chunked\r\n") + req("/sess/%s/v1/chat/completions" % other),
@@ -493,7 +494,8 @@ save()
         refused = statuses[1:] if name.startswith(("pipelined", "te+cl", "obs-fold")) and statuses[:1] == [200] else statuses
         assert all(s in (400, 403, 404, 405, 413, 422) for s in refused), (name, statuses)
     assert seen["bind"] == 30  # EROFS
-    assert not row.infra_failure
+    # its own session was never finished early (its calls, relayed and pipelined, are all there)
+    assert not row.infra_failure and len(row.calls) == 4, (row.error, len(row.calls))  # 1 + 3 pipelined
 
 
 if __name__ == "__main__":
