@@ -6,12 +6,20 @@ inside the container (``Agent`` below runs a Python script there, where an in-co
 runs: same sandbox, mounts, relay, session socket, URLs). Every agent first makes one real model
 call through the relay, so the policy "has spoken" and nothing after it may be infrastructure.
 
-Each test asserts the SAFE behaviour; the ones that fail document a hole that is open today:
+Each test asserts the SAFE behaviour; each failed against commit 6b9855f (where this file
+landed). R2-2, R2-3 and R2-5 pass with the fixes in the working tree at the time of writing
+(``remove_tree``, the CLI for timed execs, ``MAX_PATCH_BYTES``); R2-1 still fails there on the
+file-capability plant (the device nodes and setuid bits are fixed):
 
 - R2-1 ``test_trial_folder_never_holds_device_nodes_or_setuid_files``: the container (rootful
-  podman 4.3 defaults: CAP_MKNOD, the trial folder bind-mounted without ``nodev,nosuid``) plants a
-  world-writable block device node of the host's own disk and a setuid-root shell in the host's
-  run folder (``logs/rollout/<trial>/``), where they stay after the trial.
+  podman 4.3 defaults: CAP_MKNOD, CAP_SETFCAP, the trial folder bind-mounted without
+  ``nodev,nosuid``) plants a world-writable block device node of the host's own disk, a
+  ``/dev/mem`` node, a setuid-root shell and a python3 with the file capability
+  ``cap_setuid=ep`` in the host's run folder (``logs/rollout/<trial>/``), where they stay after
+  the trial. Checked by hand: host user ``nobody`` runs the planted python3 and ``setuid(0)``
+  succeeds. ``nosuid`` on the mount only guards exec *inside* the container; the inode keeps its
+  bits and xattrs on the host's (suid) filesystem. Clearing ``-perm /6000`` after the trial misses
+  the xattr and leaves the whole trial as a window.
 - R2-2 ``test_a_deep_tree_in_the_trial_folder_does_not_crash_the_stage``: a 1500-deep directory
   chain in ``/legorl/home``; the stage's ``shutil.rmtree(home, ignore_errors=True)`` raises
   RecursionError (not an OSError) from ``TrialRunner.attempt``'s ``finally``: the whole rollout
@@ -70,7 +78,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import threading
@@ -89,7 +96,7 @@ from legorl.harnesses.base import CONTAINER_TRIAL_DIR, Launch, TrialPaths, Trial
 from legorl.harnesses.channel import CONTAINER_DIR, PORT, SOCKET_NAME
 from legorl.harnesses.claude_code import ClaudeCode
 from legorl.sandbox.base import Sandbox
-from legorl.schemas import Kind, Outcome, TrialRow
+from legorl.schemas import Kind, TrialRow
 from legorl.stages.rollout import InProcessProxy, RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman]
@@ -208,6 +215,10 @@ for name, fn in (("disk", lambda p: os.mknod(p, 0o666 | 0o060000, os.makedev(maj
 import shutil
 shutil.copy("/bin/sh", os.path.join(here, "rootshell"))
 os.chmod(os.path.join(here, "rootshell"), 0o6755)
+# a file capability (CAP_SETFCAP is the container's): cap_setuid=ep, no setuid bit to find
+import struct
+shutil.copy(sys.executable, os.path.join(here, "capshell"))
+os.setxattr(os.path.join(here, "capshell"), "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 7, 0, 0, 0))
 save()
 '''
     run = _run_dir(tmp_path)
@@ -221,6 +232,12 @@ save()
                 st = os.lstat(os.path.join(root, name))
                 if stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode) or st.st_mode & (stat.S_ISUID | stat.S_ISGID):
                     planted.append(f"{name}: {stat.filemode(st.st_mode)} uid={st.st_uid}")
+                if not stat.S_ISLNK(st.st_mode):
+                    try:
+                        os.getxattr(os.path.join(root, name), "security.capability", follow_symlinks=False)
+                        planted.append(f"{name}: file capabilities")
+                    except OSError:
+                        pass
     finally:
         _rm_rf(run)  # never leave a world-writable /dev/mem node behind
     # SAFE: the agent cannot leave a device node of the host's disk or a setuid binary on the host
@@ -285,7 +302,7 @@ save()
     def go() -> None:
         try:
             result["rows"] = _rollout(run, proxy)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             result["error"] = exc
 
     thread = threading.Thread(target=go, daemon=True)
@@ -355,6 +372,7 @@ save()
 '''
     run = _run_dir(tmp_path)
     [row] = _rollout(run, proxy)
+    assert not row.infra_failure, row.error
     seen = _agent_out(run)
     host = os.statvfs(run)
     host_free = host.f_bavail * host.f_frsize
