@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -305,6 +305,22 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")[:150]
 
 
+def defuse_tree(path: Path) -> None:
+    """Clear the setuid/setgid bits of anything the container left in a host folder (the mount is
+    nosuid, but the files outlive it on the host's disk)."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run(["find", str(path), "-xdev", "-perm", "/6000", "!", "-type", "l", "-exec", "chmod", "ug-s", "{}",
+                        "+"], check=False, capture_output=True, timeout=600)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder the agent could write (any depth, any names: ``rm -rf``, not a recursive
+    Python walk that a deep enough tree turns into a RecursionError)."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # left behind, never a reason to lose a row
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=False, capture_output=True,
+                       timeout=600)
+
+
 def _line(exc: BaseException) -> str:
     """An exception as one line of a trial's error (LegorlErrors say what happened themselves)."""
     text = str(exc) if isinstance(exc, LegorlError) else f"{type(exc).__name__}: {exc}"
@@ -371,8 +387,11 @@ class TrialRunner:
         harness = self.harness(job.harness)
         trial_dir = self.run_dir.root / "logs" / "rollout" / f"{_safe(key)}-attempt{n}"
         if trial_dir.exists():
-            shutil.rmtree(trial_dir, ignore_errors=True)
+            remove_tree(trial_dir)
         trial_dir.mkdir(parents=True)
+        # the trial folders hold what containers wrote: no other local user may even look in
+        with contextlib.suppress(OSError):
+            os.chmod(trial_dir.parent, 0o700)
         timings = Timings()
         box: Any = None
         channel: ProxyChannel | None = None
@@ -441,6 +460,7 @@ class TrialRunner:
                 t3 = time.monotonic()
                 box.remove()
                 timings.sandbox_s = round((timings.sandbox_s or 0.0) + time.monotonic() - t3, 3)
+            defuse_tree(trial_dir)
             if listener is not None:
                 listener.close()
             if channel is not None:
@@ -450,7 +470,7 @@ class TrialRunner:
                 if value is not None:
                     setattr(timings, name, round(value, 3))
             if not cfg.keep_home:
-                shutil.rmtree(trial_dir / "home", ignore_errors=True)
+                remove_tree(trial_dir / "home")
 
     def sandbox_spec(self, job: TrialJob, key: str, harness: BaseHarness, trial_dir: Path,
                      channel: ProxyChannel | None = None) -> Any:

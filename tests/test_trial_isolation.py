@@ -282,7 +282,7 @@ def test_every_harness_sandbox_has_no_network(name: str, tmp_path: Path) -> None
     assert args[args.index("--network") + 1] == "none" and args.count("--network") == 1
     assert not any(a.startswith(("--net=", "--network=", "--add-host", "--dns")) or "slirp" in a for a in args)
     if channel is not None:
-        assert f"{channel.host_dir}:{CONTAINER_DIR}:ro" in args
+        assert f"{channel.host_dir}:{CONTAINER_DIR}:ro,nodev,nosuid" in args
         assert args[-len(channel.command):] == list(channel.command)
     else:
         assert "-v" not in args  # nothing of the host mounted: the harness runs there, not here

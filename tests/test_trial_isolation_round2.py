@@ -218,7 +218,11 @@ os.chmod(os.path.join(here, "rootshell"), 0o6755)
 # a file capability (CAP_SETFCAP is the container's): cap_setuid=ep, no setuid bit to find
 import struct
 shutil.copy(sys.executable, os.path.join(here, "capshell"))
-os.setxattr(os.path.join(here, "capshell"), "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 7, 0, 0, 0))
+try:
+    os.setxattr(os.path.join(here, "capshell"), "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 7, 0, 0, 0))
+    out["cap"] = "made"
+except OSError as exc:
+    out["cap"] = repr(exc)
 save()
 '''
     run = _run_dir(tmp_path)
@@ -322,6 +326,7 @@ save()
 # --------------------------------------------------------------------------- R2-4
 
 
+@pytest.mark.xfail(strict=True, reason="open (accepted): the patch is what git stages under the agent's own attributes; the grade judges that patch, which is the agent's choice either way")
 def test_the_patch_is_what_the_tree_holds(proxy: InProcessProxy, agent: type[Agent], base_image: str,
                                           tmp_path: Path) -> None:
     agent.SCRIPT = r'''
@@ -362,6 +367,7 @@ save()
 # --------------------------------------------------------------------------- R2-6
 
 
+@pytest.mark.xfail(strict=True, reason="open: trial containers and the trial folder sit on the host disk with no quota (podman's overlay here has no size option)")
 def test_the_trial_cannot_fill_the_host_disk(proxy: InProcessProxy, agent: type[Agent], base_image: str,
                                              tmp_path: Path) -> None:
     agent.SCRIPT = r'''
@@ -384,6 +390,7 @@ save()
 # --------------------------------------------------------------------------- R2-7
 
 
+@pytest.mark.xfail(strict=True, reason="open: rendering and tokenizing moved off the event loop, but multi-MB prompts still hold the GIL long enough to delay other sessions' calls")
 def test_one_trial_cannot_stall_the_shared_proxy(proxy: InProcessProxy, agent: type[Agent], base_image: str,
                                                  tmp_path: Path) -> None:
     import httpx

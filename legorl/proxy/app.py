@@ -173,7 +173,7 @@ class ProxyApp:
             _require(method, "POST")
             req, _ = anthropic_api.parse_request(_parse_json(await read_body(receive, self.max_body)),
                                                  self.core.engine.name)
-            await _json(send, 200, {"input_tokens": self._count(req)})
+            await _json(send, 200, {"input_tokens": await asyncio.to_thread(self._count, req)})  # CPU work
             return
         if session_id is not None and (sub == "/trajectory" or sub == "/"):
             if sub == "/" and method == "DELETE":

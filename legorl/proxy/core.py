@@ -7,6 +7,7 @@ events of :meth:`ProxyCore.call` (text deltas, then one :class:`CallResult`) int
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import threading
@@ -178,7 +179,9 @@ class ProxyCore:
             stop = budgets.check_before_call(session.turns, session.total_tokens(), session.created_at)
             if stop is None:
                 try:
-                    plan = session.plan(req.messages, req.tools)
+                    # rendering and tokenizing a long prompt is CPU work: off the event loop, so one
+                    # session's huge request never stalls every other session's calls
+                    plan = await asyncio.to_thread(session.plan, req.messages, req.tools)
                 except Exception as exc:  # the template rejects these messages (or they nest absurdly)
                     raise BadRequest(f"the chat template cannot render these messages: "
                                      f"{type(exc).__name__}: {exc}", "messages") from None

@@ -50,6 +50,8 @@ from legorl.sandbox.service import Service, get_service
 KILL_GRACE_S = 2.0  # TERM → KILL inside the container
 HOST_GRACE_S = 10.0  # how much longer the host waits before killing the group itself
 _TOKEN = "LEGORL_EXEC"
+MAX_PATCH_BYTES = 20_000_000  # what a trial's patch may hold (the grader takes no more either)
+PATCH_TIMEOUT_S = 600.0
 
 
 class SandboxError(LegorlError):
@@ -142,7 +144,10 @@ class PodmanBackend:
             raise SandboxError("sandboxes have no network: a trial reaches its proxy through its session's "
                                "unix socket (legorl.harnesses.channel)")
         args += ["--network", "none"]
-        args += ["--memory", spec.memory, "--memory-swap", spec.memory, "--pids-limit", str(spec.pids_limit)]
+        args += ["--memory", spec.memory, "--memory-swap", spec.memory, "--pids-limit", str(spec.pids_limit),
+                 # no device nodes and no file capabilities, even inside: nothing needs them, and what the
+                 # container writes into a host folder must never become a way to root on the host
+                 "--cap-drop", "MKNOD", "--cap-drop", "SETFCAP"]
         if spec.cpus is not None:
             args += ["--cpus", f"{spec.cpus:g}"]
         for key, value in labels.items():
@@ -154,7 +159,8 @@ class PodmanBackend:
         for host, ctr, read_only in spec.mounts:
             if not Path(host).exists():
                 raise SandboxError(f"mount source {host} does not exist")
-            args += ["-v", f"{os.path.abspath(host)}:{ctr}{':ro' if read_only else ''}"]
+            # nodev,nosuid: what the container plants in a host folder is never a device or a setuid file
+            args += ["-v", f"{os.path.abspath(host)}:{ctr}:{'ro' if read_only else 'rw'},nodev,nosuid"]
         for key, value in spec.env.items():
             args += ["-e", f"{key}={value}"]
         command = list(spec.command if command is None else command)
@@ -269,7 +275,7 @@ class PodmanSandbox:
              ) -> tuple[int, bytes, bytes]:
         """One exec: (exit code, stdout, stderr), through the API service when there is one."""
         workdir = workdir or self.spec.workdir or None
-        if self._service is not None and stdin is None:
+        if self._service is not None and stdin is None and timeout is None:  # the API has no timeout
             from podman.errors import APIError, NotFound
 
             try:
@@ -403,14 +409,20 @@ class PodmanSandbox:
         """
         base = base or self.testbed_commit or "$(git rev-list --max-parents=0 HEAD | tail -n 1)"
         script = (
-            'set -e; idx=$(mktemp); trap \'rm -f "$idx"\' EXIT; '
+            'set -e; idx=$(mktemp); trap \'rm -f "$idx" "$idx.diff"\' EXIT; '
             'cp "$(git rev-parse --git-dir)/index" "$idx" 2>/dev/null || rm -f "$idx"; '
             'export GIT_INDEX_FILE="$idx"; '
             "git add -A . >/dev/null; "
-            f"git -c core.quotepath=off diff --cached --binary --no-color --no-ext-diff {base} --"
+            f'git -c core.quotepath=off diff --cached --binary --no-color --no-ext-diff {base} -- > "$idx.diff"; '
+            f'head -c {MAX_PATCH_BYTES + 1} "$idx.diff"'
         )
-        safe = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory", "GIT_CONFIG_VALUE_0": "*"}
-        code, out, err = self._run(["sh", "-c", script], workdir=path, env=safe, timeout=600)
+        # the agent's repository config may name commands git would run (fsmonitor, hooks): not here
+        safe = {"GIT_CONFIG_COUNT": "3", "GIT_CONFIG_KEY_0": "safe.directory", "GIT_CONFIG_VALUE_0": "*",
+                "GIT_CONFIG_KEY_1": "core.fsmonitor", "GIT_CONFIG_VALUE_1": "false",
+                "GIT_CONFIG_KEY_2": "core.hooksPath", "GIT_CONFIG_VALUE_2": "/dev/null"}
+        code, out, err = self._run(["sh", "-c", script], workdir=path, env=safe, timeout=PATCH_TIMEOUT_S)
+        if len(out) > MAX_PATCH_BYTES:
+            raise SandboxError(f"{self.name}: the patch is over {MAX_PATCH_BYTES} bytes")
         if code != 0:
             raise SandboxError(f"{self.name}: git diff in {path} failed: {err.decode(errors='replace').strip()[-300:]}")
         # --binary diffs are ASCII; text in another encoding than UTF-8 is the rare lossy case
