@@ -6,6 +6,10 @@ inside the container (``Agent`` below runs a Python script there, where an in-co
 runs: same sandbox, mounts, relay, session socket, URLs). Every agent first makes one real model
 call through the relay, so the policy "has spoken" and nothing after it may be infrastructure.
 
+Status after the fixes that followed: R2-1 (no MKNOD/SETFCAP, nodev/nosuid mounts, a 0700
+trial-folder parent, setuid bits swept), R2-2 (``rm -rf``), R2-3 (timed execs never go through the
+API service) and R2-5 (a 20 MB cap) pass; R2-4, R2-6 and R2-7 are open, marked xfail with the reason.
+
 Each test asserts the SAFE behaviour; each failed against commit 6b9855f (where this file
 landed). R2-2, R2-3 and R2-5 pass with the fixes in the working tree at the time of writing
 (``remove_tree``, the CLI for timed execs, ``MAX_PATCH_BYTES``); R2-1 still fails there on the
@@ -390,7 +394,7 @@ save()
 # --------------------------------------------------------------------------- R2-7
 
 
-@pytest.mark.xfail(strict=True, reason="open: rendering and tokenizing moved off the event loop, but multi-MB prompts still hold the GIL long enough to delay other sessions' calls")
+@pytest.mark.xfail(strict=False, reason="open (timing-dependent): rendering and tokenizing moved off the event loop, but multi-MB prompts still hold the GIL long enough to delay other sessions' calls")
 def test_one_trial_cannot_stall_the_shared_proxy(proxy: InProcessProxy, agent: type[Agent], base_image: str,
                                                  tmp_path: Path) -> None:
     import httpx
