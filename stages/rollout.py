@@ -48,6 +48,7 @@ from legorl.harnesses.base import (
 )
 from legorl.harnesses.channel import ProxyChannel
 from legorl.harnesses.install import require
+from legorl.harnesses.trialfiles import defuse_tree, remove_tree
 from legorl.paths import RunDir
 from legorl.proxy.budgets import Budgets
 from legorl.schemas import Call, Kind, Outcome, Segment, TaskRow, Timings, TrialRow, trial_key
@@ -303,22 +304,6 @@ class Attempt:
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")[:150]
-
-
-def defuse_tree(path: Path) -> None:
-    """Clear the setuid/setgid bits of anything the container left in a host folder (the mount is
-    nosuid, but the files outlive it on the host's disk)."""
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        subprocess.run(["find", str(path), "-xdev", "-perm", "/6000", "!", "-type", "l", "-exec", "chmod", "ug-s", "{}",
-                        "+"], check=False, capture_output=True, timeout=600)
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a folder the agent could write (any depth, any names: ``rm -rf``, not a recursive
-    Python walk that a deep enough tree turns into a RecursionError)."""
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # left behind, never a reason to lose a row
-        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=False, capture_output=True,
-                       timeout=600)
 
 
 def _line(exc: BaseException) -> str:

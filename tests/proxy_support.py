@@ -49,3 +49,17 @@ def _reply(call: ScriptedCall) -> str:
 def scripted_engine(tokenizer: Any, name: str = "scripted", max_context: int | None = None) -> ScriptedEngine:
     """Replies with the text of the last ``say(...)`` directive in the prompt (else ``ok``)."""
     return ScriptedEngine(tokenizer, _reply, name=name, max_context=max_context)
+
+
+def oa(proxy: Any, sid: str) -> Any:
+    """The official OpenAI client on one session of a ProxyServer (no retries: errors show at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=proxy.openai_base_url(sid), api_key="x", max_retries=0)
+
+
+def an(proxy: Any, sid: str) -> Any:
+    """The official Anthropic client on one session of a ProxyServer."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=proxy.anthropic_base_url(sid), api_key="x", max_retries=0)

@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from proxy_support import ANTHROPIC_TOOLS, TOOLS, call_bash, say, scripted_engine
+from proxy_support import ANTHROPIC_TOOLS, TOOLS, an, call_bash, oa, say, scripted_engine
 from transformers import AutoTokenizer
 
 from legorl import shards
@@ -36,14 +36,6 @@ def tokenizer(tiny_model: Path) -> Any:
 def proxy(tokenizer: Any) -> Iterator[ProxyServer]:
     with ProxyServer(scripted_engine(tokenizer), tokenizer) as server:
         yield server
-
-
-def oa(proxy: ProxyServer, sid: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proxy.openai_base_url(sid), api_key="x", max_retries=0)
-
-
-def an(proxy: ProxyServer, sid: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=proxy.anthropic_base_url(sid), api_key="x", max_retries=0)
 
 
 def assert_token_identity(proxy: ProxyServer, sid: str, tools: list[dict] | None) -> None:

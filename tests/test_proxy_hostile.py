@@ -15,7 +15,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from proxy_support import ANTHROPIC_TOOLS, TOOLS, scripted_engine
+from proxy_support import ANTHROPIC_TOOLS, TOOLS, an, oa, scripted_engine
 from transformers import AutoTokenizer
 
 from legorl.proxy import anthropic_api, openai_api
@@ -31,14 +31,6 @@ def tokenizer(tiny_model: Path) -> Any:
 def proxy(tokenizer: Any) -> Iterator[ProxyServer]:
     with ProxyServer(scripted_engine(tokenizer), tokenizer) as server:
         yield server
-
-
-def oa(proxy: ProxyServer, sid: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proxy.openai_base_url(sid), api_key="x", max_retries=0)
-
-
-def an(proxy: ProxyServer, sid: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=proxy.anthropic_base_url(sid), api_key="x", max_retries=0)
 
 
 # ------------------------------------------------------------------ special tokens in content

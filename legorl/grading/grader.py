@@ -49,12 +49,11 @@ from legorl.grading.script import (
     read_events,
 )
 from legorl.paths import cache_dir
-from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
+from legorl.sandbox.base import MAX_PATCH_BYTES, ExecResult, Sandbox, SandboxSpec
 from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
 
 GRADER_VERSION = "2"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
 DEFAULT_PYTEST = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
-MAX_PATCH_BYTES = 20_000_000
 MAX_LOG_CHARS = 200_000
 INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
 CONTROL_TTL_S = 600.0  # a control run that graded normally vouches for its task this long
@@ -183,7 +182,7 @@ class Grader:
         self._lock = threading.Lock()
         self._tars: dict[tuple[str, str], bytes] = {}
         self._heads: dict[tuple[str, str], frozenset[str]] = {}
-        self._references: dict[str, TestStatuses | None] = {}
+        self._references: dict[str, TestStatuses] = {}
         self._controls: dict[str, tuple[float, str]] = {}
 
     def image_for(self, task: TaskRow) -> str:

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from legorl.grading.logparse import END_MARKER, EXIT_CODE_MARKER, START_MARKER  # SWE-bench's, for its tools
+
 WORK = "/tmp/.legorl-grade"  # root-only (0700): the script, its inputs, the pristine copy
 RUNNER_DIR = "/tmp/.legorl-runner"  # root-owned, readable: the runner the test user runs
 REPORT_FD = 3  # the runner's report goes to this descriptor, root's append-only file in WORK
@@ -48,9 +50,6 @@ APPLY_TIMEOUT_S = 120  # per apply method: a patch that stalls an applier simply
 TEST_ENV = ("HOME=/tmp/.legorl-home GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=safe.directory GIT_CONFIG_VALUE_0='*' "
             "GIT_CONFIG_GLOBAL=/dev/null")
 MAX_TEST_OUTPUT = 20_000_000  # bytes of test output that reach the host; the rest is cut
-START_MARKER = ">>>>> Start Test Output"  # SWE-bench's markers, for its tools
-END_MARKER = ">>>>> End Test Output"
-EXIT_CODE_MARKER = ">>>>> Test Exit Code"
 APPLY_METHODS = (
     ("git apply", "git apply -v {f}"),
     ("git apply --reject", "git apply -v --reject {f}"),

@@ -7,13 +7,18 @@ through :func:`read_trial_file`: the last component is opened with ``O_NOFOLLOW`
 ``O_NONBLOCK``, so a fifo cannot block the open), anything but a regular file is refused, and at
 most ``limit`` bytes are read. A refusal is an :class:`UnsafeFile` (an ``OSError``); callers treat
 it like a missing file — the agent's outcome, never a crash of legorl.
+
+When the container is gone, :func:`defuse_tree` clears setuid/setgid bits from what it left, and
+:func:`remove_tree` removes a folder the agent wrote, whatever its depth or names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 DEFAULT_LIMIT = 16 << 20
@@ -53,3 +58,19 @@ def read_trial_file(path: Path, limit: int = DEFAULT_LIMIT, *, tail: bool = Fals
 
 def read_trial_text(path: Path, limit: int = DEFAULT_LIMIT, *, tail: bool = False) -> str:
     return read_trial_file(path, limit, tail=tail).decode(errors="replace")
+
+
+def defuse_tree(path: Path) -> None:
+    """Clear the setuid/setgid bits of anything the container left in a host folder (the mount is
+    nosuid, but the files outlive it on the host's disk)."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run(["find", str(path), "-xdev", "-perm", "/6000", "!", "-type", "l", "-exec", "chmod", "ug-s", "{}",
+                        "+"], check=False, capture_output=True, timeout=600)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder the agent could write (any depth, any names: ``rm -rf``, not a recursive
+    Python walk that a deep enough tree turns into a RecursionError)."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # left behind, never a reason to lose a row
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=False, capture_output=True,
+                       timeout=600)

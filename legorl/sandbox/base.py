@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+MAX_PATCH_BYTES = 20_000_000  # the most a trial's patch may hold (Sandbox.patch refuses more; so does grading)
+
 
 @dataclass
 class ExecResult:

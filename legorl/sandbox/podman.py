@@ -42,7 +42,7 @@ from types import FrameType, TracebackType
 from typing import Any, Literal
 
 from legorl.errors import LegorlError
-from legorl.sandbox.base import ExecResult, SandboxSpec
+from legorl.sandbox.base import MAX_PATCH_BYTES, ExecResult, SandboxSpec
 from legorl.sandbox.host import podman_env, podman_path, require_image, run_podman
 from legorl.sandbox.reaper import owner_labels
 from legorl.sandbox.service import Service, get_service
@@ -50,7 +50,6 @@ from legorl.sandbox.service import Service, get_service
 KILL_GRACE_S = 2.0  # TERM → KILL inside the container
 HOST_GRACE_S = 10.0  # how much longer the host waits before killing the group itself
 _TOKEN = "LEGORL_EXEC"
-MAX_PATCH_BYTES = 20_000_000  # what a trial's patch may hold (the grader takes no more either)
 PATCH_TIMEOUT_S = 600.0
 
 
