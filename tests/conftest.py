@@ -12,6 +12,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="Reliability suites (tests/chaos, tests/load, tests/fuzz) in their long profile.")
+
+
+@pytest.fixture(scope="session")
+def long_profile(request: pytest.FixtureRequest) -> bool:
+    """True under `pytest --long` (or LEGORL_LONG=1): the reliability suites run their long profile."""
+    return bool(request.config.getoption("--long")) or os.environ.get("LEGORL_LONG") == "1"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Tiny models on two shared cores: one intra-op thread is ~10x faster than two fighting.
     import torch
