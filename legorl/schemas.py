@@ -39,6 +39,32 @@ class Outcome(StrEnum):
     INFRA_ERROR = "infra_error"  # sandbox or engine failed, or the harness could not start
 
 
+class BudgetStop(StrEnum):
+    """Why the proxy ended an episode (``Call.budget_stop``, and the session's): a budget ran out."""
+
+    MAX_TURNS = "max_turns"
+    MAX_TOTAL_TOKENS = "max_total_tokens"
+    MAX_WALL_TIME = "max_wall_time"
+    CONTEXT_OVERFLOW = "context_overflow"
+
+
+#: The trial outcome of each budget stop.
+BUDGET_STOP_OUTCOMES: dict[BudgetStop, Outcome] = {
+    BudgetStop.MAX_TURNS: Outcome.MAX_TURNS,
+    BudgetStop.MAX_TOTAL_TOKENS: Outcome.BUDGET,
+    BudgetStop.MAX_WALL_TIME: Outcome.TIMEOUT,
+    BudgetStop.CONTEXT_OVERFLOW: Outcome.CONTEXT_OVERFLOW,
+}
+
+
+def budget_outcome(reason: str) -> Outcome:
+    """The outcome of a trial the proxy budget-stopped for ``reason`` (one it does not know: BUDGET)."""
+    try:
+        return BUDGET_STOP_OUTCOMES[BudgetStop(reason)]
+    except ValueError:
+        return Outcome.BUDGET
+
+
 class SegmentReason(StrEnum):
     """Why a training sequence exists."""
 
@@ -96,7 +122,7 @@ CALL_TYPE = pa.struct(
         pa.field("completion_tokens", pa.int32()),
         pa.field("finish_reason", pa.string()),
         pa.field("parse_error", pa.string()),
-        pa.field("budget_stop", pa.string()),
+        pa.field("budget_stop", pa.string()),  # a BudgetStop
         # The distribution the call sampled from, after the proxy's overrides (null for a budget stop,
         # which samples nothing, and in shards written before they were recorded). temperature 0 is
         # greedy (its logprobs are those at temperature 1); top_k 0 = off.

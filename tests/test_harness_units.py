@@ -44,6 +44,9 @@ def _run(end: End, exit_code: int | None = 0, timed_out: bool = False) -> Harnes
         (_run(End.FINISHED), ProxyView(calls=5, budget_stop="max_turns"), True, "p", Outcome.MAX_TURNS),
         (_run(End.FINISHED), ProxyView(calls=5, budget_stop="context_overflow"), True, "", Outcome.CONTEXT_OVERFLOW),
         (_run(End.FINISHED), ProxyView(calls=5, budget_stop="max_total_tokens"), True, "", Outcome.BUDGET),
+        # the proxy's graceful wall-clock stop is the trial's timeout (the hard kill is further out)
+        (_run(End.FINISHED), ProxyView(calls=5, budget_stop="max_wall_time"), True, "p", Outcome.TIMEOUT),
+        (_run(End.FINISHED), ProxyView(calls=5, budget_stop="max_gpu_hours"), True, "p", Outcome.BUDGET),  # a newer proxy's
         # a harness's claim of an API error the proxy did not record is the harness's (the agent's)
         (_run(End.API_ERROR, 1), ProxyView(calls=1), True, None, Outcome.HARNESS_CRASH),
         (_run(End.CRASHED, 1), ProxyView(calls=0), True, None, Outcome.INFRA_ERROR),  # never reached the model
@@ -62,6 +65,37 @@ def _run(end: End, exit_code: int | None = 0, timed_out: bool = False) -> Harnes
 def test_classify(run: HarnessRun, proxy: ProxyView, alive: bool, patch: str | None, want: Outcome) -> None:
     outcome, _ = classify(run, proxy, alive, patch)
     assert outcome == want
+
+
+def test_every_budget_stop_has_its_outcome() -> None:
+    from legorl.proxy.budgets import Budgets
+    from legorl.schemas import BUDGET_STOP_OUTCOMES, BudgetStop
+
+    assert set(BUDGET_STOP_OUTCOMES) == set(BudgetStop)
+    # what the proxy records is one of them
+    budgets = Budgets(max_turns=1, max_total_tokens=1, max_wall_s=1.0)
+    stops = [budgets.check_before_call(1, 0, time.time()), budgets.check_before_call(0, 1, time.time()),
+             budgets.check_before_call(0, 0, 0.0)]
+    assert stops == [BudgetStop.MAX_TURNS, BudgetStop.MAX_TOTAL_TOKENS, BudgetStop.MAX_WALL_TIME]
+
+
+def test_adapters_are_abstract_until_they_write_their_hooks() -> None:
+    from legorl.harnesses import HARNESSES, BaseHarness, ProcessHarness
+    from legorl.harnesses.simple import SimpleHarness
+
+    class Half(ProcessHarness):
+        name = "half"
+        in_container = False
+
+        def launch(self, trial, paths, sandbox):  # type: ignore[no-untyped-def]
+            raise AssertionError("never launched")
+
+    for abstract in (BaseHarness, ProcessHarness, Half):
+        with pytest.raises(TypeError, match="abstract"):
+            abstract()  # type: ignore[abstract]
+    assert issubclass(SimpleHarness, BaseHarness) and not issubclass(SimpleHarness, ProcessHarness)
+    for cls in HARNESSES.values():
+        cls()  # every registered adapter is complete
 
 
 def test_json_lines_skips_noise(tmp_path: Path) -> None:

@@ -1,24 +1,29 @@
 """Inference engines: token ids in, sampled token ids + logprobs (+ MoE routing) out.
 
 ``make_engine(kind, ...)`` builds one by name: ``embedded`` (a model directory served in-process),
-``vllm`` (an existing ``vllm serve`` at a URL), ``scripted`` (fixed completions, for tests).
+``vllm`` (an existing ``vllm serve`` at a URL), ``scripted`` (fixed completions, for tests), or a
+plug-in by dotted path (``mypkg.engines:MyEngine``): a class or factory whose result satisfies the
+:class:`Engine` protocol.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from legorl.engines.base import Engine, Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
 from legorl.errors import ConfigError
+from legorl.plugins import is_dotted_path, load_object, missing_members
 
 ENGINE_KINDS = ("embedded", "vllm", "scripted")
+_ENGINE_ATTRIBUTES = ("name", "max_context")
+_ENGINE_METHODS = ("generate", "stream", "load_weights", "close")
 
 
 def make_engine(kind: str, **kwargs: Any) -> Engine:
     """Build an engine by name; ``kwargs`` go to its constructor.
 
     ``make_engine("embedded", model_dir=...)``, ``make_engine("vllm", base_url=..., model=...)``,
-    ``make_engine("scripted", tokenizer=..., completions=[...])``.
+    ``make_engine("scripted", tokenizer=..., completions=[...])``, ``make_engine("mypkg.mod:MyEngine", ...)``.
     """
     if kind == "embedded":
         from legorl.engines.embedded import EmbeddedEngine
@@ -32,7 +37,28 @@ def make_engine(kind: str, **kwargs: Any) -> Engine:
         from legorl.engines.scripted import ScriptedEngine
 
         return ScriptedEngine(**kwargs)
-    raise ConfigError(f"unknown engine {kind!r}: choose one of {', '.join(ENGINE_KINDS)}")
+    if is_dotted_path(kind):
+        return _plugin_engine(kind, kwargs)
+    raise ConfigError(f"unknown engine {kind!r}: choose one of {', '.join(ENGINE_KINDS)} "
+                      "(or a plug-in as package.module:Class)")
+
+
+def _plugin_engine(spec: str, kwargs: dict[str, Any]) -> Engine:
+    factory = load_object(spec, "engine")
+    where = f"engine {spec!r}"
+    if not callable(factory):
+        raise ConfigError(f"{where}: not an engine class or factory (a {type(factory).__name__})")
+    if isinstance(factory, type):  # its methods can be checked before anything is built
+        missing = missing_members(factory, (), _ENGINE_METHODS)
+        if missing:
+            raise ConfigError(f"{where}: not an engine: the class lacks {', '.join(missing)} "
+                              "(see the legorl.engines.Engine protocol)")
+    engine = factory(**kwargs)
+    missing = missing_members(engine, _ENGINE_ATTRIBUTES, _ENGINE_METHODS)
+    if missing:
+        raise ConfigError(f"{where}: not an engine: what it built lacks {', '.join(missing)} "
+                          "(see the legorl.engines.Engine protocol)")
+    return cast(Engine, engine)
 
 
 __all__ = ["ENGINE_KINDS", "Engine", "Generation", "PromptTooLong", "RequestRejected", "SamplingParams", "TokenChunk",

@@ -1,8 +1,10 @@
 """The harness interface and the mechanics every adapter shares, written once.
 
-A harness adapter knows three things about its harness: which install it needs, how to launch it
-for one trial (command line, environment, config files), and how to read how it ended. Everything
-else is here: the per-trial folder (HOME, config, logs), where the process runs (on the host, or
+:class:`Harness` is the typing contract; :class:`BaseHarness` is the abstract base of legorl's
+adapters (a harness that runs in legorl's own process, like ``simple``, writes ``run`` itself), and
+:class:`ProcessHarness` the one for a harness that is a separate program. Such an adapter knows three
+things about its harness: which install it needs, how to launch it for one trial (command line,
+environment, config files), and how to read how it ended. Everything else is here: the per-trial folder (HOME, config, logs), where the process runs (on the host, or
 inside the trial container), its environment, the wall-clock limit and the kill of its whole
 process group, log capture, and turning all that plus the proxy's view into an
 :class:`~legorl.schemas.Outcome`.
@@ -28,6 +30,7 @@ import signal
 import subprocess
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -36,7 +39,7 @@ from typing import Any, ClassVar, Protocol
 from legorl.harnesses.install import Installation, require
 from legorl.harnesses.trialfiles import read_trial_text
 from legorl.sandbox.base import Sandbox
-from legorl.schemas import Outcome
+from legorl.schemas import Outcome, budget_outcome
 
 CONTAINER_TRIAL_DIR = "/legorl"  # where the per-trial folder is mounted inside the container
 LOG_NAME = "harness.log"
@@ -124,8 +127,14 @@ class Launch:
 class Harness(Protocol):
     """One coding-agent harness, run unmodified for one trial at a time."""
 
-    name: str
-    in_container: bool  # runs inside the trial container (needs the network path and mounts)
+    # read-only: a class attribute (as legorl's adapters set them) satisfies them as well
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def in_container(self) -> bool:
+        """Runs inside the trial container (needs the network path and mounts)."""
+        ...
 
     def mounts(self, trial_dir: Path) -> list[tuple[str, str, bool]]:
         """Bind mounts the trial container needs for this harness."""
@@ -142,12 +151,13 @@ def tail(path: Path, chars: int = 4000) -> str:
         return ""
 
 
-class BaseHarness:
-    """The shared mechanics. Subclasses set ``name``/``in_container`` and write ``launch`` and ``read_end``."""
+class BaseHarness(ABC):
+    """The base of legorl's adapters: ``name``, where the harness runs, its install (resolved on first
+    use) and its mounts. Subclasses set ``name``/``in_container`` and write ``run``."""
 
     name: ClassVar[str]
     in_container: ClassVar[bool]
-    needs_install: ClassVar[bool] = True  # False: runs in legorl's own process (nothing to install)
+    needs_install: ClassVar[bool] = True  # False: nothing to install (runs in legorl's own process)
 
     def __init__(self, install: Installation | None = None) -> None:
         self._install = install
@@ -158,24 +168,31 @@ class BaseHarness:
             self._install = require(self.name)
         return self._install
 
-    # -- hooks
-
-    def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
-        """Write the harness's config into the trial folder; return how to start it."""
-        raise NotImplementedError
-
-    def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
-        """How the harness says it ended, from its output files and logs."""
-        raise NotImplementedError
-
-    # -- shared
-
     def mounts(self, trial_dir: Path) -> list[tuple[str, str, bool]]:
+        """Bind mounts the trial container needs: the install and the trial folder (none on the host)."""
         if not self.in_container:
             return []
         return [*self.install.mounts(), (str(trial_dir.resolve()), CONTAINER_TRIAL_DIR, False)]
 
+    @abstractmethod
+    def run(self, trial: TrialSpec, sandbox: Sandbox, trial_dir: Path) -> HarnessRun:
+        """Run the harness for one trial against ``trial``'s session; what it left behind."""
+
+
+class ProcessHarness(BaseHarness):
+    """A harness that is its own program. Subclasses write ``launch`` and ``read_end``; the process
+    (on the host or in the trial container), its limits and its logs are handled here."""
+
+    @abstractmethod
+    def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
+        """Write the harness's config into the trial folder; return how to start it."""
+
+    @abstractmethod
+    def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
+        """How the harness says it ended, from its output files and logs."""
+
     def paths(self, trial_dir: Path) -> TrialPaths:
+        """The trial folder as host and harness see it, with the harness's private HOME in it."""
         trial_dir = trial_dir.resolve()
         paths = TrialPaths(trial_dir, CONTAINER_TRIAL_DIR if self.in_container else str(trial_dir))
         (trial_dir / "home").mkdir(parents=True, exist_ok=True)
@@ -328,11 +345,10 @@ class ProxyView:
     """What the proxy saw of a trial (from its capture), for classifying the outcome."""
 
     calls: int = 0
-    budget_stop: str | None = None  # legorl.proxy.budgets reasons
+    budget_stop: str | None = None  # a legorl.schemas.BudgetStop
     engine_error: str | None = None  # the engine failed while serving this session
 
 
-_BUDGET_OUTCOMES = {"max_turns": Outcome.MAX_TURNS, "context_overflow": Outcome.CONTEXT_OVERFLOW}
 _END_OUTCOMES = {
     End.SUBMITTED: Outcome.SUBMITTED,
     End.GAVE_UP: Outcome.NO_SUBMISSION,
@@ -364,7 +380,7 @@ def classify(run: HarnessRun, proxy: ProxyView, sandbox_alive: bool, patch: str 
     if run.timed_out:
         return Outcome.TIMEOUT, f"killed after the wall-clock limit ({run.duration_s:.0f} s)"
     if proxy.budget_stop:
-        return _BUDGET_OUTCOMES.get(proxy.budget_stop, Outcome.BUDGET), f"proxy budget: {proxy.budget_stop}"
+        return budget_outcome(proxy.budget_stop), f"proxy budget: {proxy.budget_stop}"
     if run.end is End.API_ERROR:
         return Outcome.HARNESS_CRASH, f"the harness reports an API error the proxy did not record: {run.detail}"
     if run.end is End.FINISHED:

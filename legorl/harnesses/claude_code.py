@@ -9,9 +9,9 @@ once on a 400, so an API error is visible as its result event.
 from __future__ import annotations
 
 from legorl.harnesses.base import (
-    BaseHarness,
     End,
     Launch,
+    ProcessHarness,
     ProcResult,
     TrialPaths,
     TrialSpec,
@@ -22,7 +22,7 @@ from legorl.sandbox.base import Sandbox
 _SUBTYPES = {"success": End.FINISHED, "error_max_turns": End.MAX_TURNS}
 
 
-class ClaudeCode(BaseHarness):
+class ClaudeCode(ProcessHarness):
     name = "claude-code"
     in_container = True
 

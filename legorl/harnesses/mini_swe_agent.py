@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from legorl.harnesses.base import BaseHarness, End, Launch, ProcResult, TrialPaths, TrialSpec, json_file
+from legorl.harnesses.base import End, Launch, ProcessHarness, ProcResult, TrialPaths, TrialSpec, json_file
 from legorl.sandbox.base import Sandbox
 from legorl.sandbox.host import podman_env, podman_path
 
@@ -28,7 +28,7 @@ _API_ERRORS = ("APIConnectionError", "InternalServerError", "ServiceUnavailableE
                "Timeout", "BadGatewayError", "RateLimitError", "BadRequestError", "NotFoundError")
 
 
-class MiniSweAgent(BaseHarness):
+class MiniSweAgent(ProcessHarness):
     name = "mini-swe-agent"
     in_container = False
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 
 from legorl.harnesses.base import (
-    BaseHarness,
     End,
     Launch,
+    ProcessHarness,
     ProcResult,
     TrialPaths,
     TrialSpec,
@@ -29,7 +29,7 @@ from legorl.sandbox.base import Sandbox
 PROVIDER = "legorl"
 
 
-class OpenCode(BaseHarness):
+class OpenCode(ProcessHarness):
     name = "opencode"
     in_container = True
 

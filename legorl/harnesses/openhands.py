@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from legorl.harnesses.base import BaseHarness, End, Launch, ProcResult, TrialPaths, TrialSpec, json_file
+from legorl.harnesses.base import End, Launch, ProcessHarness, ProcResult, TrialPaths, TrialSpec, json_file
 from legorl.sandbox.base import Sandbox
 
 RUNNER = Path(__file__).with_name("_openhands_runner.py")
@@ -22,7 +22,7 @@ _API_ERROR_MARKERS = ("APIConnection", "ServiceUnavailable", "InternalServer", "
                       "Timeout", "RateLimit", "NoResponse", "BadGateway", "APIError")
 
 
-class OpenHands(BaseHarness):
+class OpenHands(ProcessHarness):
     name = "openhands"
     in_container = True
 

@@ -13,12 +13,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from legorl.errors import ConfigError
+from legorl.schemas import BudgetStop
 
-# Values of ``Call.budget_stop`` / ``SessionCapture.budget_stop``.
-MAX_TURNS = "max_turns"
-MAX_TOTAL_TOKENS = "max_total_tokens"
-MAX_WALL = "max_wall_time"
-CONTEXT_OVERFLOW = "context_overflow"
+# The reasons (``Call.budget_stop`` / ``SessionCapture.budget_stop``), typed as the plain strings
+# those fields hold, for code that compares or keys by them.
+MAX_TURNS: str = BudgetStop.MAX_TURNS
+MAX_TOTAL_TOKENS: str = BudgetStop.MAX_TOTAL_TOKENS
+MAX_WALL: str = BudgetStop.MAX_WALL_TIME
+CONTEXT_OVERFLOW: str = BudgetStop.CONTEXT_OVERFLOW
 
 
 @dataclass(frozen=True)
@@ -71,17 +73,17 @@ class Budgets:
     def check_before_call(self, turns: int, total_tokens: int, created_at: float) -> str | None:
         """The budget that forbids another call, or None."""
         if self.max_turns is not None and turns >= self.max_turns:
-            return MAX_TURNS
+            return BudgetStop.MAX_TURNS
         if self.max_total_tokens is not None and total_tokens >= self.max_total_tokens:
-            return MAX_TOTAL_TOKENS
+            return BudgetStop.MAX_TOTAL_TOKENS
         if self.max_wall_s is not None and time.time() - created_at >= self.max_wall_s:
-            return MAX_WALL
+            return BudgetStop.MAX_WALL_TIME
         return None
 
 
 def stop_message(reason: str, budgets: Budgets) -> str:
     """The text of a budget-stop reply: plain, final, and saying why."""
-    limits = {
+    limits: dict[str, str] = {
         MAX_TURNS: f"the maximum number of turns ({budgets.max_turns})",
         MAX_TOTAL_TOKENS: f"the token budget ({budgets.max_total_tokens} tokens)",
         MAX_WALL: f"the time budget ({budgets.max_wall_s} s)",
