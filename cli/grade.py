@@ -26,8 +26,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOption = False,
     ) -> None:
         """Grade patches in fresh containers: hidden tests, SWE-bench's rules; resumable."""
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+        from legorl.cli.progress import StageBar, graded
         from legorl.paths import RunDir
         from legorl.stages import grade as stage
 
@@ -52,23 +51,11 @@ def register(app: typer.Typer) -> None:
         else:
             jobs, infra_rollouts = stage.rollout_jobs(rollouts or (rd.rollouts if rd else Path()))
 
-        progress = Progress(TextColumn("grading"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.fields[last]}"), console=console, transient=json_out)
-        bar = progress.add_task("grade", total=0, last="")
-
-        def on_start(todo: int, skipped: int) -> None:
-            progress.update(bar, total=todo)
-            if skipped and not json_out:
-                console.print(f"{skipped} trial(s) already graded: skipped", highlight=False)
-
-        def on_done(row: object) -> None:
-            r = row  # GradeRow
-            progress.update(bar, advance=1, last=f"{r.task_id}: {r.status} {r.reward}")  # type: ignore[attr-defined]
-
-        with progress:
+        skipped = None if json_out else (lambda n: f"{n} trial(s) already graded: skipped")
+        with StageBar("grading", graded, transient=json_out, skipped=skipped) as bar:
             summary = stage.grade_stage(
                 tasks_dir, out_dir, jobs, concurrency=concurrency, timeout=timeout, image=image,
-                run_label=str(run) if run else None, on_start=on_start, on_done=on_done,
+                run_label=str(run) if run else None, on_start=bar.on_start, on_done=bar.on_done,
             )
         result = summary.as_dict()
         result["infra_rollouts_skipped"] = infra_rollouts

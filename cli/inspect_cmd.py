@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         json_output: JsonOption = False,
     ) -> None:
         """Summarise what a run directory holds: rows, files, schema, duplicates, outcomes, rewards."""
-        from legorl.stages.inspect import inspect_path
+        from legorl.monitor.inspect import inspect_path
 
         summary = inspect_path(path)
         health = _health(path, summary)

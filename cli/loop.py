@@ -1,18 +1,11 @@
 """`legorl loop`: the online RL loop, rollout → grade → train → reload, for N policy steps.
 
-A thin composition of the stage functions on one run directory, exactly what a Makefile loop over
-`legorl rollout / grade / train` does, but with one engine kept in memory that loads each new
-checkpoint instead of restarting. Every step's shards stay in the run directory with their `step`.
-
-It is synchronous: the trials of step S are sampled by the policy trained on steps < S, and
-`train --step S` trains only on them, so the rollout policy is never stale. Rerunning resumes: each
-stage skips what it already wrote, and training continues an interrupted step.
+The loop itself is :mod:`legorl.flows.online` (one engine kept in memory, loading each new
+checkpoint; resumable); this command parses the options, shows each phase and prints each step.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -46,21 +39,15 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOption = False,
     ) -> None:
         """Run the online loop: each step rolls out with the latest policy, grades, trains, reloads."""
-        from transformers import AutoTokenizer
-
-        from legorl.engines.embedded import EmbeddedEngine
+        from legorl.flows.online import OnlineConfig, OnlineStep, run_online
+        from legorl.flows.policy import require_model_dir
         from legorl.harnesses import parse_names
-        from legorl.paths import RunDir
-        from legorl.stages.grade import grade_stage, rollout_jobs
-        from legorl.stages.rollout import InProcessProxy, RolloutConfig, rollout_stage
-        from legorl.stages.train import latest_checkpoint, run_train
+        from legorl.stages.rollout import RolloutConfig
         from legorl.training.config import TrainConfig
 
         if steps < 1:
             fail("--steps must be at least 1")
-        if not (model / "config.json").exists():
-            fail(f"--model {model}: not a model directory (no config.json)")
-        layout = RunDir.at(run)
+        require_model_dir(model)
         names = parse_names(harness)
         # The trainer reads the temperature from the calls the proxy records; passing it too keeps old
         # shards of a resumed run at it, and checks that the proxy really sampled at it.
@@ -69,39 +56,30 @@ def register(app: typer.Typer) -> None:
             importance_sampling=importance_sampling,  # type: ignore[arg-type]
             learning_rate=lr, num_iterations=num_iterations, temperature=temperature, seed=seed,
         )
-        policy = latest_checkpoint(layout.checkpoints) or model
-        engine = EmbeddedEngine(policy)
+        cfg = OnlineConfig(
+            rollout=RolloutConfig(run=run, harnesses=names, samples=samples, concurrency=concurrency, limit=limit,
+                                  timeout_s=timeout, max_turns=max_turns, max_tokens=max_tokens,
+                                  temperature=temperature),
+            train=train_config, model=model, steps=steps, grade_concurrency=grade_concurrency,
+            grade_timeout_s=grade_timeout, policy_temperature=temperature,
+        )
+        phases = {"rollout": f"rollout ({', '.join(names)})", "grade": "grading", "train": "training"}
         history: list[dict[str, Any]] = []
-        with InProcessProxy(engine, AutoTokenizer.from_pretrained(model), temperature=temperature) as proxy:
-            for step in range(steps):
-                t0 = time.monotonic()
-                with console.status(f"step {step}: rollout ({', '.join(names)})"):
-                    rolled = rollout_stage(RolloutConfig(
-                        run=run, harnesses=names, samples=samples, concurrency=concurrency, limit=limit, step=step,
-                        timeout_s=timeout, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
-                    ), proxy)
-                t1 = time.monotonic()
-                jobs, _ = rollout_jobs(layout.rollouts)
-                with console.status(f"step {step}: grading"):
-                    graded = grade_stage(layout.tasks, layout.grades, [j for j in jobs if j.step == step],
-                                         concurrency=grade_concurrency, timeout=grade_timeout,
-                                         run_label=layout.root.name)
-                t2 = time.monotonic()
-                with console.status(f"step {step}: training"):
-                    result = run_train(run, model, step, train_config, resume=True)
-                t3 = time.monotonic()
-                asyncio.run(engine.load_weights(str(result.checkpoint)))
-                record = {
-                    "step": step, "new_trials": len(rolled.rows), "new_grades": len(graded.rows),
-                    "reward_mean": result.metrics.get(mk.REWARD_MEAN), "checkpoint": str(result.checkpoint),
-                    "rollout_s": round(t1 - t0, 1), "grade_s": round(t2 - t1, 1), "train_s": round(t3 - t2, 1),
-                }
-                history.append(record)
-                console.print(
-                    f"step {step}: reward {record['reward_mean']} · rollout {record['rollout_s']} s · "
-                    f"grade {record['grade_s']} s · train {record['train_s']} s → {result.checkpoint.name}",
-                    highlight=False,
-                )
-        asyncio.run(engine.close())
+
+        def show(step: OnlineStep) -> None:
+            record = {
+                "step": step.step, "new_trials": step.new_trials, "new_grades": step.new_grades,
+                "reward_mean": step.metrics.get(mk.REWARD_MEAN), "checkpoint": str(step.checkpoint),
+                "rollout_s": round(step.rollout_s, 1), "grade_s": round(step.grade_s, 1),
+                "train_s": round(step.train_s, 1),
+            }
+            history.append(record)
+            console.print(
+                f"step {step.step}: reward {record['reward_mean']} · rollout {record['rollout_s']} s · "
+                f"grade {record['grade_s']} s · train {record['train_s']} s → {step.checkpoint.name}",
+                highlight=False,
+            )
+
+        run_online(cfg, phase=lambda step, name: console.status(f"step {step}: {phases[name]}"), on_step=show)
         if json_out:
             print_json({"run": str(run), "steps": history})

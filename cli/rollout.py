@@ -31,87 +31,49 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOption = False,
     ) -> None:
         """Roll out: sandbox → proxy session → harness → patch → one trial row; resumable."""
-        import asyncio
-        import contextlib
         import time
 
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+        from legorl.cli.progress import Outcomes, StageBar, loading
+        from legorl.flows.policy import PolicySpec, open_policy, require_model_dir
         from legorl.harnesses import parse_names
-        from legorl.stages import rollout as stage
+        from legorl.schemas import TrialRow
+        from legorl.stages.rollout import RolloutConfig, rollout_stage
 
         if (model is None) == (proxy is None):
             fail("give exactly one of --model DIR (embedded engine) or --proxy URL")
-        cfg = stage.RolloutConfig(
+        cfg = RolloutConfig(
             run=run, harnesses=parse_names(harness), samples=samples, concurrency=concurrency, limit=limit,
             step=step, timeout_s=timeout, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
             retries=retries,
         )
-        handle: stage.InProcessProxy | stage.RemoteProxy
-        if proxy is not None:
-            handle = stage.RemoteProxy(proxy, api_key)
-        else:
-            assert model is not None
-            if not (model / "config.json").exists():
-                fail(f"--model {model}: not a model directory (no config.json)")
-            from legorl.engines.embedded import EmbeddedEngine
+        if model is not None:
+            require_model_dir(model)
+        policy = PolicySpec(model=model, proxy_url=proxy, api_key=api_key, temperature=temperature)
+        with open_policy(policy, loading=loading) as served:
+            outcomes = Outcomes()
+            started = time.monotonic()
+            sampled = [0]
 
-            with console.status(f"loading {model} …"):
-                embedded = EmbeddedEngine(model)
-            handle = stage.InProcessProxy(embedded, str(model), temperature=temperature)
+            def status() -> str:
+                parts = [outcomes.text()]
+                engine = served.engine
+                elapsed = max(time.monotonic() - started, 1e-6)
+                if engine is not None:
+                    parts.append(f"{engine.tokens / elapsed:.1f} tok/s")
+                    parts.append(f"{engine.in_flight} calls in flight")
+                    parts.append(f"engine {engine.busy_seconds() / elapsed:.0%} busy")
+                else:
+                    parts.append(f"{sampled[0] / elapsed:.1f} tok/s")
+                return " · ".join(p for p in parts if p)
 
-        progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.fields[status]}"), console=console, transient=json_out)
-        bar = progress.add_task("rollout", total=0, status="")
-        outcomes: dict[str, int] = {}
-        started = time.monotonic()
-        sampled = [0]
+            def describe(row: TrialRow) -> str:
+                outcomes.add(row)
+                sampled[0] += sum(c.completion_tokens for c in row.calls)
+                return status()
 
-        def status() -> str:
-            parts = [" ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))]
-            engine = getattr(handle, "engine", None)
-            elapsed = max(time.monotonic() - started, 1e-6)
-            if isinstance(engine, stage.WatchedEngine):
-                parts.append(f"{engine.tokens / elapsed:.1f} tok/s")
-                parts.append(f"{engine.in_flight} calls in flight")
-                parts.append(f"engine {engine.busy_seconds() / elapsed:.0%} busy")
-            else:
-                parts.append(f"{sampled[0] / elapsed:.1f} tok/s")
-            return " · ".join(p for p in parts if p)
-
-        def on_start(todo: int, skipped: int) -> None:
-            progress.update(bar, total=todo)
-            if skipped and not json_out:
-                console.print(f"{skipped} trial(s) already in {run}/rollouts: skipped", highlight=False)
-
-        def on_done(row: object) -> None:
-            from legorl.schemas import TrialRow
-
-            assert isinstance(row, TrialRow)
-            outcomes[str(row.outcome)] = outcomes.get(str(row.outcome), 0) + 1
-            sampled[0] += sum(c.completion_tokens for c in row.calls)
-            progress.update(bar, advance=1, status=status())
-
-        stop = False
-
-        def refresh() -> None:
-            while not stop:
-                progress.update(bar, status=status())
-                time.sleep(1.0)
-
-        import threading
-
-        ticker = threading.Thread(target=refresh, daemon=True)
-        with handle, progress:
-            ticker.start()
-            try:
-                summary = stage.rollout_stage(cfg, handle, on_start=on_start, on_done=on_done)
-            finally:
-                stop = True
-        watched = getattr(handle, "engine", None)
-        if watched is not None:
-            with contextlib.suppress(Exception):
-                asyncio.run(watched.close())
+            skipped = None if json_out else (lambda n: f"{n} trial(s) already in {run}/rollouts: skipped")
+            with StageBar("rollout", describe, transient=json_out, skipped=skipped, tick=status) as bar:
+                summary = rollout_stage(cfg, served.proxy, on_start=bar.on_start, on_done=bar.on_done)
         result = summary.as_dict()
         if json_out:
             print_json(result)

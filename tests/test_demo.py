@@ -117,8 +117,9 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
     from transformers import AutoTokenizer
 
     from legorl.engines.scripted import ScriptedCall, ScriptedEngine
+    from legorl.proxy.clients import InProcessProxy
     from legorl.stages.grade import grade_stage, rollout_jobs
-    from legorl.stages.rollout import InProcessProxy, RolloutConfig, rollout_stage
+    from legorl.stages.rollout import RolloutConfig, rollout_stage
     from legorl.stages.tasks import import_stage
 
     tok = AutoTokenizer.from_pretrained(tiny_model)

@@ -17,8 +17,10 @@ from rollout_support import import_one
 from legorl import shards
 from legorl.engines.embedded import EmbeddedEngine
 from legorl.harnesses.install import RECIPES
+from legorl.proxy.clients import InProcessProxy
+from legorl.proxy.sessions import SessionCapture
 from legorl.schemas import Kind, Outcome
-from legorl.stages.rollout import Capture, InProcessProxy, RolloutConfig, rollout_stage
+from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman, pytest.mark.harness, pytest.mark.slow]
 
@@ -28,9 +30,9 @@ class RecordingProxy(InProcessProxy):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
-        self.captures: list[Capture] = []
+        self.captures: list[SessionCapture] = []
 
-    def finish(self, session_id: str) -> Capture:
+    def finish(self, session_id: str) -> SessionCapture:
         cap = super().finish(session_id)
         self.captures.append(cap)
         return cap

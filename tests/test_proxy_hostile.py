@@ -302,7 +302,7 @@ def test_a_sampled_tool_call_spelling_lone_surrogates_is_answered_and_captured(t
 
 def test_sessions_created_over_http_get_the_servers_default_budgets(tokenizer: Any) -> None:
     from legorl.proxy.budgets import Budgets
-    from legorl.stages.rollout import RemoteProxy
+    from legorl.proxy.clients import RemoteProxy
 
     defaults = Budgets(max_turns=1, max_context=300, max_wall_s=600.0)
     with ProxyServer(scripted_engine(tokenizer), tokenizer, budgets=defaults) as server:

@@ -19,9 +19,10 @@ from rollout_support import import_one, scripted, solving_script, tool_call
 
 from legorl import shards
 from legorl.engines.scripted import ScriptedEngine
+from legorl.proxy.clients import InProcessProxy
 from legorl.schemas import Kind, Outcome, TrialRow
 from legorl.stages.grade import grade_stage, rollout_jobs
-from legorl.stages.rollout import InProcessProxy, RolloutConfig, rollout_stage
+from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman, pytest.mark.harness]
 LEGORL = str(Path(sys.executable).parent / "legorl")
@@ -188,8 +189,8 @@ def test_sigkill_then_rerun_runs_only_missing_trials(tiny_model: Path, base_imag
 
 def test_external_proxy_url(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
     """`--proxy URL`: sessions are made and read over a running proxy's HTTP API."""
+    from legorl.proxy.clients import RemoteProxy
     from legorl.proxy.server import ProxyServer
-    from legorl.stages.rollout import RemoteProxy
 
     run = _run_dir(tmp_path)
     task = import_one(run, tmp_path)

@@ -82,7 +82,7 @@ def rollouts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     from transformers import AutoTokenizer
 
     from legorl.engines.embedded import EmbeddedEngine
-    from legorl.stages.rollout import InProcessProxy
+    from legorl.proxy.clients import InProcessProxy
 
     engine = EmbeddedEngine(tiny_model)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)

@@ -39,10 +39,11 @@ from legorl.harnesses.channel import CONTAINER_DIR, PORT, SOCKET_NAME
 from legorl.harnesses.claude_code import ClaudeCode
 from legorl.harnesses.openhands import OpenHands
 from legorl.harnesses.trialfiles import UnsafeFile, read_trial_file
+from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
 from legorl.proxy.server import ProxyServer
 from legorl.sandbox.base import Sandbox
 from legorl.schemas import Kind, Outcome, TrialRow
-from legorl.stages.rollout import InProcessProxy, ProxyHandle, RemoteProxy, RolloutConfig, rollout_stage
+from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman]
 PROBE = Path(__file__).with_name("isolation_probe.py")
@@ -263,7 +264,7 @@ def test_every_harness_sandbox_has_no_network(name: str, tmp_path: Path) -> None
     from legorl.harnesses.channel import ProxyChannel
     from legorl.harnesses.install import installed
     from legorl.sandbox.podman import PodmanBackend
-    from legorl.stages.rollout import TrialJob, TrialRunner
+    from legorl.trials import TrialJob, TrialRunner
 
     harness = get(name)
     if harness.in_container and installed(name) is None:

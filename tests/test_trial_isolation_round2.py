@@ -99,9 +99,10 @@ from legorl.harnesses import HARNESSES
 from legorl.harnesses.base import CONTAINER_TRIAL_DIR, Launch, TrialPaths, TrialSpec
 from legorl.harnesses.channel import CONTAINER_DIR, PORT, SOCKET_NAME
 from legorl.harnesses.claude_code import ClaudeCode
+from legorl.proxy.clients import InProcessProxy
 from legorl.sandbox.base import Sandbox
 from legorl.schemas import Kind, TrialRow
-from legorl.stages.rollout import InProcessProxy, RolloutConfig, rollout_stage
+from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman]
 

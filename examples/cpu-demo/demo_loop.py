@@ -7,9 +7,10 @@
 2. ``model``: a ~5 M-parameter Qwen3 built offline (:func:`legorl.models.init_model`) and warmed up
    on the ``simple`` driver's conversation format (:mod:`legorl.demo.sft`) on *other* generated
    tasks, briefly, so that some attempts succeed and most do not;
-3. each step: the rollout stage (the ``simple`` harness against the in-process proxy and embedded
-   engine, a fresh podman sandbox per trial, K samples per task) → the grade stage (hidden tests in
-   fresh containers) → the train stage (GRPO on the captured tokens) → the engine loads the new
+3. each step, through the online loop :mod:`legorl.flows.online` (the same loop as ``legorl loop``):
+   the rollout stage (the ``simple`` harness against the in-process proxy and embedded engine, a
+   fresh podman sandbox per trial, K samples per task) → the grade stage (hidden tests in fresh
+   containers) → the train stage (GRPO on the captured tokens) → the engine loads the new
    checkpoint. Every shard stays in the one run directory, with its ``step``;
 4. ``report.md`` / ``report.json`` / ``reward.png`` in the run directory: reward over steps.
 
@@ -18,7 +19,6 @@ Rerunning with the same ``--run`` resumes: finished steps are skipped by the sta
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import statistics
@@ -129,12 +129,9 @@ def step_rewards(run: RunDir, step: int) -> tuple[int, int, list[float], int]:
 
 def run_loop(cfg: DemoConfig) -> list[StepRecord]:
     import torch
-    from transformers import AutoTokenizer
 
-    from legorl.engines.embedded import EmbeddedEngine
-    from legorl.stages.grade import grade_stage, rollout_jobs
-    from legorl.stages.rollout import InProcessProxy, RolloutConfig, rollout_stage
-    from legorl.stages.train import latest_checkpoint, run_train
+    from legorl.flows.online import OnlineConfig, OnlineStep, run_online
+    from legorl.stages.rollout import RolloutConfig
     from legorl.training.config import TrainConfig
 
     torch.set_num_threads(cfg.threads)
@@ -142,41 +139,33 @@ def run_loop(cfg: DemoConfig) -> list[StepRecord]:
     run = RunDir.at(cfg.run)
     prepare_tasks(cfg)
     model_dir, _ = prepare_model(cfg)
-    latest = latest_checkpoint(run.checkpoints)
-    engine = EmbeddedEngine(latest or model_dir, name="demo-policy", max_context=2048)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_cfg = TrainConfig(loss=cfg.loss, learning_rate=cfg.lr, num_iterations=cfg.num_iterations,  # type: ignore[arg-type]
-                            temperature=cfg.temperature, seed=cfg.seed)
+    online = OnlineConfig(
+        rollout=RolloutConfig(run=cfg.run, harnesses=[HARNESS], samples=cfg.samples,
+                              concurrency=cfg.rollout_concurrency, timeout_s=180.0, max_turns=3,
+                              temperature=cfg.temperature),
+        train=TrainConfig(loss=cfg.loss, learning_rate=cfg.lr, num_iterations=cfg.num_iterations,  # type: ignore[arg-type]
+                          temperature=cfg.temperature, seed=cfg.seed),
+        model=model_dir, steps=cfg.steps, grade_concurrency=cfg.grade_concurrency, grade_timeout_s=60.0,
+        engine_name="demo-policy", max_context=2048,
+    )
     records: list[StepRecord] = []
-    with InProcessProxy(engine, tokenizer) as proxy:
-        for step in range(cfg.steps):
-            t0 = time.perf_counter()
-            rcfg = RolloutConfig(run=cfg.run, harnesses=[HARNESS], samples=cfg.samples,
-                                 concurrency=cfg.rollout_concurrency, step=step, timeout_s=180.0, max_turns=3,
-                                 temperature=cfg.temperature)
-            rollout_stage(rcfg, proxy)
-            t1 = time.perf_counter()
-            jobs, _ = rollout_jobs(run.rollouts)
-            grade_stage(run.tasks, run.grades, [j for j in jobs if j.step == step],
-                        concurrency=cfg.grade_concurrency, timeout=60.0, run_label=cfg.run.name)
-            t2 = time.perf_counter()
-            trials, graded, rewards, infra = step_rewards(run, step)
-            result = run_train(cfg.run, model_dir, step, train_cfg, resume=True)
-            t3 = time.perf_counter()
-            asyncio.run(engine.load_weights(str(result.checkpoint)))
-            t4 = time.perf_counter()
-            record = StepRecord(
-                step=step, trials=trials, graded=graded,
-                mean_reward=statistics.fmean(rewards) if rewards else 0.0,
-                solve_rate=sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
-                infra=infra, rollout_s=t1 - t0, grade_s=t2 - t1, train_s=t3 - t2, reload_s=t4 - t3,
-                train_metrics={k: result.metrics[k] for k in REPORTED_METRICS if k in result.metrics},
-            )
-            records.append(record)
-            log(f"step {step}: reward {record.mean_reward:.3f} over {graded} graded trial(s) ({infra} infra); "
-                f"rollout {record.rollout_s:.0f} s, grade {record.grade_s:.0f} s, train {record.train_s:.0f} s")
-            write_report(cfg, records)
-    asyncio.run(engine.close())
+
+    def record(step: OnlineStep) -> None:
+        trials, graded, rewards, infra = step_rewards(run, step.step)
+        r = StepRecord(
+            step=step.step, trials=trials, graded=graded,
+            mean_reward=statistics.fmean(rewards) if rewards else 0.0,
+            solve_rate=sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
+            infra=infra, rollout_s=step.rollout_s, grade_s=step.grade_s, train_s=step.train_s,
+            reload_s=step.reload_s,
+            train_metrics={k: step.metrics[k] for k in REPORTED_METRICS if k in step.metrics},
+        )
+        records.append(r)
+        log(f"step {r.step}: reward {r.mean_reward:.3f} over {graded} graded trial(s) ({infra} infra); "
+            f"rollout {r.rollout_s:.0f} s, grade {r.grade_s:.0f} s, train {r.train_s:.0f} s")
+        write_report(cfg, records)
+
+    run_online(online, on_step=record)
     return records
 
 

@@ -159,6 +159,21 @@ class SessionCapture:
             "messages": self.messages,
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SessionCapture:
+        """The inverse of :meth:`to_json` (what ``POST /sess/<id>/finish`` answers)."""
+        return cls(
+            session_id=str(data["session_id"]),
+            segments=[Segment.from_dict(s) for s in data.get("segments") or []],
+            calls=[Call.from_dict(c) for c in data.get("calls") or []],
+            messages=list(data.get("messages") or []),
+            budget_stop=data.get("budget_stop"),
+            created_at=float(data.get("created_at") or 0.0),
+            model=data.get("model"),
+            metadata=dict(data.get("metadata") or {}),
+            engine_errors=list(data.get("engine_errors") or []),
+        )
+
     def outcome(self) -> str:
         """The trial outcome the proxy can tell on its own (a harness adapter knows better)."""
         from legorl.proxy import budgets as b

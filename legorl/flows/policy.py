@@ -1,0 +1,77 @@
+"""The policy as a proxy: a model directory served by an embedded engine in this process, or an
+external ``legorl serve-proxy``. :func:`open_policy` builds either and closes it exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+from legorl.engines.watched import WatchedEngine
+from legorl.errors import LegorlError
+from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
+
+# Wraps loading the engine from a model directory (a caller's spinner, say).
+Loading = Callable[[Path], AbstractContextManager[object]]
+
+
+@dataclass
+class PolicySpec:
+    """Where the policy is: ``model`` (served in this process) or ``proxy_url``, exactly one."""
+
+    model: Path | None = None  # model directory for the embedded engine
+    proxy_url: str | None = None  # a running `legorl serve-proxy`
+    api_key: str | None = None  # the external proxy's API key
+    temperature: float | None = None  # in process: every call samples at it, whatever the harness asks
+    tokenizer: Path | None = None  # default: the model directory's
+    engine_name: str | None = None  # the model name the proxy answers with (default: the engine's)
+    max_context: int | None = None
+
+    def validate(self) -> None:
+        if (self.model is None) == (self.proxy_url is None):
+            raise LegorlError("give exactly one of --model DIR (embedded engine) or --proxy URL")
+
+
+@dataclass
+class Policy:
+    """An open policy: the proxy the trials talk to, and the engine behind it when it is ours."""
+
+    proxy: ProxyHandle
+    engine: WatchedEngine | None = None  # None: an external proxy's engine is not ours to watch
+
+    def reload(self, checkpoint: Path) -> None:
+        """Serve the weights at ``checkpoint`` from now on (in-flight calls finish on the old ones)."""
+        if self.engine is None:
+            raise LegorlError("cannot load a checkpoint into an external proxy's engine")
+        asyncio.run(self.engine.load_weights(str(checkpoint)))
+
+
+def require_model_dir(model: Path) -> None:
+    if not (model / "config.json").exists():
+        raise LegorlError(f"--model {model}: not a model directory (no config.json)")
+
+
+@contextlib.contextmanager
+def open_policy(spec: PolicySpec, *, loading: Loading | None = None) -> Iterator[Policy]:
+    """The policy of ``spec``, served until the block ends; then the proxy and the engine are closed."""
+    spec.validate()
+    if spec.proxy_url is not None:
+        with RemoteProxy(spec.proxy_url, spec.api_key) as remote:
+            yield Policy(remote)
+        return
+    assert spec.model is not None
+    from legorl.engines.embedded import EmbeddedEngine
+
+    with loading(spec.model) if loading is not None else contextlib.nullcontext():
+        engine = EmbeddedEngine(spec.model, name=spec.engine_name, max_context=spec.max_context)
+    try:
+        with InProcessProxy(engine, str(spec.tokenizer or spec.model), temperature=spec.temperature) as proxy:
+            yield Policy(proxy, proxy.engine)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the failure that got us here is the one to report
+            asyncio.run(engine.close())
+        raise
+    asyncio.run(engine.close())

@@ -1,0 +1,264 @@
+"""One trial, start to finish: the lifecycle the rollout stage runs for every (task, harness, sample).
+
+A trial is: a fresh no-network sandbox with the task's repository at ``/testbed`` → a fresh proxy
+session (for a harness inside the container, served alone on a unix socket the container's relay
+reaches: :mod:`legorl.harnesses.channel`) → the harness, unmodified, against ``/sess/<id>/v1``
+with the task's problem statement → the patch (``git diff`` of the working tree) → the sandbox
+removed → a row with what the proxy captured (segments, calls, conversation), the patch, the
+outcome and where the time went.
+
+Infrastructure failures are decided only from what the agent cannot write: setting the trial up
+failed (before the harness starts), the proxy recorded an engine failure for the session, no
+output of the policy ever reached the harness, or legorl itself failed
+(:func:`legorl.harnesses.base.classify`). They are retried with backoff in a fresh sandbox and a
+fresh session; the failed attempt's tokens are dropped, never written as a trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+from legorl.errors import LegorlError
+from legorl.harnesses import Harness
+from legorl.harnesses import get as get_harness
+from legorl.harnesses.base import LOG_NAME, End, HarnessRun, ProxyView, TrialSpec, classify
+from legorl.harnesses.channel import ProxyChannel
+from legorl.harnesses.trialfiles import defuse_tree, remove_tree
+from legorl.paths import RunDir
+from legorl.proxy.budgets import Budgets
+from legorl.proxy.clients import Closable, ProxyHandle, empty_capture
+from legorl.proxy.sessions import SessionCapture
+from legorl.sandbox.base import Sandbox, SandboxSpec
+from legorl.schemas import Outcome, TaskRow, Timings, TrialRow, trial_key
+
+SandboxFactory = Callable[[SandboxSpec], Sandbox]
+
+
+class TrialSettings(Protocol):
+    """What trials are run with (the rollout stage's :class:`~legorl.stages.rollout.RolloutConfig`)."""
+
+    run: Path
+    step: int  # policy step the trials belong to
+    timeout_s: float  # hard wall-clock limit of one harness run
+    max_turns: int
+    max_tokens: int | None  # cap on one call's completion tokens
+    temperature: float | None
+    retries: int  # extra attempts after an infrastructure error
+    backoff_s: float
+    keep_home: bool  # keep each trial's private HOME (large) next to its logs
+
+
+@dataclass
+class TrialJob:
+    task: TaskRow
+    harness: str
+    sample_index: int
+
+
+@dataclass
+class Attempt:
+    outcome: Outcome
+    error: str | None
+    exit_code: int | None = None
+    patch: str | None = None
+    capture: SessionCapture | None = None
+    timings: Timings = field(default_factory=Timings)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")[:150]
+
+
+def _line(exc: BaseException) -> str:
+    """An exception as one line of a trial's error (LegorlErrors say what happened themselves)."""
+    text = str(exc) if isinstance(exc, LegorlError) else f"{type(exc).__name__}: {exc}"
+    return (text.splitlines() or [type(exc).__name__])[0][:2000]
+
+
+_BUDGET_TIMEOUT = "max_wall_time"
+
+
+class TrialRunner:
+    """Runs trials: sandbox, session, harness, patch, cleanup; retries infrastructure errors."""
+
+    def __init__(self, cfg: TrialSettings, proxy: ProxyHandle, create: SandboxFactory | None = None):
+        self.cfg = cfg
+        self.proxy = proxy
+        self.run_dir = RunDir.at(Path(cfg.run).resolve())  # harnesses run in other directories
+        if create is None:
+            from legorl.sandbox.podman import PodmanBackend
+
+            create = PodmanBackend().create
+        self.create = create
+        self.harnesses: dict[str, Harness] = {}
+        self.stopping = threading.Event()
+
+    def harness(self, name: str) -> Harness:
+        if name not in self.harnesses:
+            self.harnesses[name] = get_harness(name)
+        return self.harnesses[name]
+
+    def budgets(self) -> Budgets:
+        cfg = self.cfg
+        # The proxy ends an episode gracefully (a normal reply) shortly before the hard kill.
+        wall = max(cfg.timeout_s - 30.0, cfg.timeout_s * 0.8)
+        return Budgets(max_turns=cfg.max_turns, max_wall_s=wall, max_tokens_per_call=cfg.max_tokens)
+
+    def run(self, job: TrialJob) -> TrialRow:
+        cfg = self.cfg
+        started = time.time()
+        key = trial_key(job.task.instance_id, job.harness, cfg.step, job.sample_index)
+        attempt: Attempt | None = None
+        n = 0
+        for n in range(1, cfg.retries + 2):
+            attempt = self.attempt(job, key, n)
+            if attempt.outcome is not Outcome.INFRA_ERROR or self.stopping.is_set():
+                break
+            if n <= cfg.retries:
+                time.sleep(cfg.backoff_s * 2 ** (n - 1))
+        assert attempt is not None
+        infra = attempt.outcome is Outcome.INFRA_ERROR
+        cap = attempt.capture or empty_capture(key)
+        attempt.timings.total_s = round(time.time() - started, 3)
+        return TrialRow.new(
+            job.task.instance_id, job.harness, cfg.step, job.sample_index,
+            outcome=attempt.outcome, infra_failure=infra, model=self.proxy.model, error=attempt.error,
+            exit_code=attempt.exit_code, attempts=n, patch=attempt.patch,
+            # an infrastructure failure's tokens are never training data
+            segments=[] if infra else cap.segments, calls=cap.calls,
+            messages=None if infra else json.dumps(cap.messages, ensure_ascii=False),
+            timings=attempt.timings, started_at=started, finished_at=time.time(),
+        )
+
+    def attempt(self, job: TrialJob, key: str, n: int) -> Attempt:
+        cfg = self.cfg
+        harness = self.harness(job.harness)
+        trial_dir = self.run_dir.root / "logs" / "rollout" / f"{_safe(key)}-attempt{n}"
+        if trial_dir.exists():
+            remove_tree(trial_dir)
+        trial_dir.mkdir(parents=True)
+        # the trial folders hold what containers wrote: no other local user may even look in
+        with contextlib.suppress(OSError):
+            os.chmod(trial_dir.parent, 0o700)
+        timings = Timings()
+        box: Sandbox | None = None
+        channel: ProxyChannel | None = None
+        listener: Closable | None = None
+        session: str | None = None
+        t0 = time.monotonic()
+        try:
+            # Setting up: nothing of the agent has run yet, so every failure here is infrastructure.
+            try:
+                channel = ProxyChannel.create() if harness.in_container else None
+                box = self.create(self.sandbox_spec(job, key, harness, trial_dir, channel))
+                self.prepare(box, job.task)
+                timings.sandbox_s = time.monotonic() - t0
+                session, openai_url, anthropic_url = self.proxy.new_session(
+                    self.budgets(), {"task_id": job.task.instance_id, "harness": job.harness, "step": cfg.step,
+                                     "sample_index": job.sample_index, "attempt": n})
+                if channel is not None:  # the harness sees only its session, through the relay
+                    listener = self.proxy.serve_session(session, channel.socket_path)
+                    channel.check(box, session)
+                    anthropic_url = channel.session_url(session)
+                    openai_url = anthropic_url + "/v1"
+            except Exception as exc:
+                return Attempt(Outcome.INFRA_ERROR, _line(exc), timings=timings)
+            spec = TrialSpec(
+                trial_id=key, problem_statement=job.task.problem_statement or "", model=self.proxy.model,
+                openai_base_url=openai_url, anthropic_base_url=anthropic_url, max_turns=cfg.max_turns,
+                timeout_s=cfg.timeout_s, temperature=cfg.temperature, context_tokens=self.proxy.context_tokens,
+            )
+            t1 = time.monotonic()
+            try:
+                run = harness.run(spec, box, trial_dir)
+            except LegorlError as exc:  # the sandbox failed under the harness: classified below
+                run = HarnessRun(End.CRASHED, _line(exc), None, False, time.monotonic() - t1, trial_dir / LOG_NAME)
+            timings.agent_s = run.duration_s
+            t2 = time.monotonic()
+            alive = box.alive()
+            patch, patch_error = None, None
+            if alive:
+                try:
+                    patch = box.patch()
+                except (LegorlError, subprocess.TimeoutExpired) as exc:  # the agent can break (or bloat) its repo
+                    patch_error = _line(exc)
+            timings.patch_s = time.monotonic() - t2
+            if listener is not None:  # nothing reaches the session from the container any more
+                listener.close()
+                listener = None
+            capture = self.proxy.finish(session)
+            session = None
+            view = ProxyView(calls=sum(1 for c in capture.calls if not c.budget_stop),
+                             budget_stop=capture.budget_stop,
+                             engine_error=capture.engine_errors[-1] if capture.engine_errors else None)
+            outcome, error = classify(run, view, alive, patch)
+            if capture.budget_stop == _BUDGET_TIMEOUT and outcome is Outcome.BUDGET:
+                outcome = Outcome.TIMEOUT
+            if patch_error and outcome is not Outcome.INFRA_ERROR:
+                error = f"{error}; no patch: {patch_error}" if error else f"no patch: {patch_error}"
+            timings.model_s = round(sum(c.latency_s or 0.0 for c in capture.calls), 3)
+            return Attempt(outcome, error[:2000] if error else None, run.exit_code, patch, capture, timings)
+        except Exception as exc:  # legorl's own failure (the proxy, podman) is never the agent's
+            return Attempt(Outcome.INFRA_ERROR, _line(exc), timings=timings)
+        finally:
+            if session is not None:
+                with contextlib.suppress(Exception):  # the failed attempt's capture is dropped anyway
+                    self.proxy.finish(session)
+            if box is not None:
+                t3 = time.monotonic()
+                box.remove()
+                timings.sandbox_s = round((timings.sandbox_s or 0.0) + time.monotonic() - t3, 3)
+            defuse_tree(trial_dir)
+            if listener is not None:
+                listener.close()
+            if channel is not None:
+                channel.close()
+            for name in ("agent_s", "patch_s"):
+                value = getattr(timings, name)
+                if value is not None:
+                    setattr(timings, name, round(value, 3))
+            if not cfg.keep_home:
+                remove_tree(trial_dir / "home")
+
+    def sandbox_spec(self, job: TrialJob, key: str, harness: Harness, trial_dir: Path,
+                     channel: ProxyChannel | None = None) -> SandboxSpec:
+        """No network; an in-container harness gets its mounts and the channel (the relay as the
+        container's main process)."""
+        spec = SandboxSpec(
+            image=image_for(job.task),
+            labels={"run": self.run_dir.root.name, "trial": key, "role": "rollout"},
+            mounts=tuple(harness.mounts(trial_dir)),
+            deadline_s=self.cfg.timeout_s + 900.0,
+        )
+        if channel is None:
+            return spec
+        return replace(spec, mounts=(*spec.mounts, channel.mount), command=channel.command)
+
+    @staticmethod
+    def prepare(box: Sandbox, task: TaskRow) -> None:
+        from legorl.sandbox.testbed import install_testbed, strip_history
+
+        ref = task.repo_ref or task.base_commit
+        if task.repo_source and ref:
+            install_testbed(box, task.repo_source, ref)
+        else:
+            strip_history(box)
+
+
+def image_for(task: TaskRow) -> str:
+    """The image a task's trials run in: its own, or the base image."""
+    if task.image:
+        return task.image
+    from legorl.sandbox.host import base_image
+
+    return base_image()
