@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+INFO_FILE = "legorl_train.json"  # in a checkpoint: what went in, the step's metrics
+
 
 def cache_dir() -> Path:
     """legorl's cache (base image recipe, harness installs, built models): $LEGORL_CACHE or XDG."""
@@ -38,7 +40,8 @@ class RunDir:
     """A run directory: the only place stages meet.
 
     ``runs/demo/`` holds ``tasks/ rollouts/ grades/ train/ eval/``; each dataset is a folder of
-    ``part-*.parquet`` files.
+    ``part-*.parquet`` files. ``logs/`` holds what is kept for reading, not training (each rollout
+    trial's folder under ``logs/rollout/``).
     """
 
     root: Path
@@ -69,6 +72,7 @@ class RunDir:
 
     @property
     def checkpoints(self) -> Path:
+        """The run's checkpoint folder; :class:`Checkpoints` names what is inside."""
         return self.root / "train" / "checkpoints"
 
     @property
@@ -79,3 +83,58 @@ class RunDir:
     def proxy_sessions(self) -> Path:
         """Sessions captured by a standalone ``serve-proxy --run``."""
         return self.root / "proxy"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def rollout_logs(self) -> Path:
+        """The parent of the rollout stage's trial folders (one per trial attempt)."""
+        return self.root / "logs" / "rollout"
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """A checkpoint folder (``RUN/train/checkpoints`` or ``legorl train --out``) and its layout.
+
+    ``step-<S>/`` is the policy after training on the rollouts of step S (a Hugging Face model
+    folder plus the trainer's state and :data:`INFO_FILE`); ``latest`` names the newest one. While
+    step S trains, ``step-<S>.partial/`` holds TRL's saves (``checkpoint-<N>/``) and what the step
+    started from (``legorl_init.json``), for resume; the finished checkpoint is written to
+    ``.step-<S>.tmp/`` and renamed into place, then ``latest`` is replaced atomically.
+    """
+
+    root: Path
+
+    LATEST = "latest"
+    INIT_FILE = "legorl_init.json"
+
+    def step(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def partial(self, step: int) -> Path:
+        return self.root / f"step-{step}.partial"
+
+    def staging(self, step: int) -> Path:
+        return self.root / f".step-{step}.tmp"
+
+    def partial_saves(self, step: int) -> list[Path]:
+        """TRL's saves of an interrupted step, oldest first."""
+        partial = self.partial(step)
+        if not partial.is_dir():
+            return []
+        return sorted(partial.glob("checkpoint-*"), key=lambda path: int(path.name.rsplit("-", 1)[-1]))
+
+    def latest(self) -> Path | None:
+        """The checkpoint ``latest`` names, if it is a complete model folder."""
+        pointer = self.root / self.LATEST
+        if not pointer.exists():
+            return None
+        target = self.root / pointer.read_text().strip()
+        return target if (target / "config.json").exists() else None
+
+    def set_latest(self, checkpoint: Path) -> None:
+        tmp = self.root / f".{self.LATEST}.tmp"
+        tmp.write_text(checkpoint.name + "\n")
+        os.replace(tmp, self.root / self.LATEST)

@@ -1,10 +1,10 @@
 """The train stage: ``rollouts/`` + ``grades/`` of one policy step -> a checkpoint and ``train/metrics/``.
 
-Checkpoint naming: ``train/checkpoints/step-<S>`` is the policy after training on the rollouts of
-step S, i.e. the policy that samples step S+1. It is a Hugging Face model folder (weights,
-config, tokenizer) plus the trainer's state (optimizer, LR schedule, RNG, ``trainer_state.json``)
-and ``legorl_train.json`` (what went in, the step's metrics); ``train/checkpoints/latest`` names
-the newest one.
+Checkpoints (layout: :class:`legorl.paths.Checkpoints`): ``train/checkpoints/step-<S>`` is the
+policy after training on the rollouts of step S, i.e. the policy that samples step S+1. It is a
+Hugging Face model folder (weights, config, tokenizer) plus the trainer's state (optimizer, LR
+schedule, RNG, ``trainer_state.json``) and ``legorl_train.json`` (what went in, the step's
+metrics); ``train/checkpoints/latest`` names the newest one.
 
 Resume (``resume=True``): an interrupted step continues from its last saved update (TRL saves one
 at every generation-batch boundary under ``step-<S>.partial/``), which reproduces the
@@ -15,6 +15,7 @@ fresh optimizer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from typing import Any
 
 from legorl import metric_keys as mk
 from legorl.errors import LegorlError
-from legorl.paths import RunDir
+from legorl.paths import INFO_FILE, Checkpoints, RunDir
 from legorl.training.advantages import group_advantages
 from legorl.training.batching import make_batches
 from legorl.training.config import TrainConfig
@@ -34,9 +35,6 @@ from legorl.training.data import StepData, load_step
 from legorl.training.metrics import MetricsRecorder, harness_split
 from legorl.training.sampling import StepSampling, step_sampling
 from legorl.training.weighting import segment_scales
-
-LATEST = "latest"
-INFO_FILE = "legorl_train.json"
 
 
 @dataclass
@@ -71,21 +69,8 @@ def train_step(
 
 
 def latest_checkpoint(checkpoints: Path) -> Path | None:
-    pointer = checkpoints / LATEST
-    if not pointer.exists():
-        return None
-    target = checkpoints / pointer.read_text().strip()
-    return target if (target / "config.json").exists() else None
-
-
-def _write_latest(checkpoints: Path, name: str) -> None:
-    tmp = checkpoints / f".{LATEST}.tmp"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, checkpoints / LATEST)
-
-
-def _checkpoint_number(path: Path) -> int:
-    return int(path.name.rsplit("-", 1)[-1])
+    """``Checkpoints(checkpoints).latest()``, kept here for the callers that import it from this module."""
+    return Checkpoints(checkpoints).latest()
 
 
 def prepare(data: StepData, config: TrainConfig) -> MetricsRecorder:
@@ -132,10 +117,9 @@ def run_train(
     """:func:`train_step` with everything a caller may want to report."""
     config = config or TrainConfig()
     run = RunDir.at(run_dir)
-    checkpoints = Path(out) if out is not None else run.checkpoints
+    checkpoints = Checkpoints(Path(out) if out is not None else run.checkpoints)
     data = load_step(run, step, config.reasons)
-    final = checkpoints / f"step-{data.step}"
-    partial = checkpoints / f"step-{data.step}.partial"
+    final, partial = checkpoints.step(data.step), checkpoints.partial(data.step)
 
     if (final / "config.json").exists():
         if not resume:
@@ -146,11 +130,11 @@ def run_train(
 
     sampling = step_sampling(data, config.temperature)  # refuses what the trainer cannot score exactly
     init_from, carry, resume_ckpt = Path(model_dir), None, None
-    partial_ckpts = sorted(partial.glob("checkpoint-*"), key=_checkpoint_number) if partial.is_dir() else []
-    latest = latest_checkpoint(checkpoints)
-    if resume and partial_ckpts:
-        resume_ckpt = partial_ckpts[-1]
-        init = json.loads((partial / "legorl_init.json").read_text())
+    partial_saves = checkpoints.partial_saves(data.step)
+    latest = checkpoints.latest()
+    if resume and partial_saves:
+        resume_ckpt = partial_saves[-1]
+        init = json.loads((partial / Checkpoints.INIT_FILE).read_text())
         init_from = Path(init["init_from"])
         carry = Path(init["carry"]) if init.get("carry") else None
     elif resume and latest is not None:
@@ -160,7 +144,7 @@ def run_train(
     if resume_ckpt is None and partial.exists():
         shutil.rmtree(partial)  # a stale, unfinished attempt that is not being resumed
     partial.mkdir(parents=True, exist_ok=True)
-    (partial / "legorl_init.json").write_text(
+    (partial / Checkpoints.INIT_FILE).write_text(
         json.dumps({"init_from": str(init_from), "carry": str(carry) if carry else None})
     )
 
@@ -189,8 +173,8 @@ def run_train(
     started_from = str(resume_ckpt or init_from)
     summary = recorder.summary()
 
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    tmp = checkpoints / f".step-{data.step}.tmp"
+    checkpoints.root.mkdir(parents=True, exist_ok=True)
+    tmp = checkpoints.staging(data.step)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -204,7 +188,7 @@ def run_train(
         "config": config.to_dict(), "sampling": sampling.to_dict(), "metrics": summary,
     }, indent=2, sort_keys=True))
     os.replace(tmp, final)
-    _write_latest(checkpoints, final.name)
+    checkpoints.set_latest(final)
     shutil.rmtree(partial, ignore_errors=True)
     return TrainResult(data.step, final, state.global_step, len(data.trials), len(data.sequences),
                        dict(data.dropped), summary, started_from)
@@ -218,7 +202,6 @@ def _build_trainer(
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig
 
     from legorl.training.trainer import SegmentGRPOTrainer
 
@@ -228,45 +211,13 @@ def _build_trainer(
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(init_from, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(init_from)
-    k = config.micro_batches
-    args = GRPOConfig(
+    args = dataclasses.replace(
+        config,
         output_dir=str(output_dir),
-        # TRL's per-prompt batch shape is unused: batches are whole groups of any size (batching.py).
-        per_device_train_batch_size=2,
-        num_generations=2,
-        gradient_accumulation_steps=k,
-        steps_per_generation=k,
-        num_iterations=config.num_iterations,
-        num_train_epochs=1,
-        learning_rate=config.learning_rate,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=config.warmup_steps,
-        weight_decay=config.weight_decay,
-        max_grad_norm=config.max_grad_norm,
-        loss_type=config.trl_loss_type,
-        importance_sampling_level=config.trl_is_level,
-        epsilon=config.epsilon,
-        epsilon_high=config.epsilon_high,
-        beta=config.beta,
         temperature=sampling.logprob_temperature,  # the rollouts' (sampling.py), never assumed
-        max_completion_length=config.max_length or max(len(s) for s in data.sequences),
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=config.num_iterations,  # generation-batch boundaries: resuming there is exact
-        save_total_limit=1,
-        report_to=config.report_to,
-        seed=config.seed,
-        bf16=config.bf16,
-        gradient_checkpointing=config.gradient_checkpointing,
-        remove_unused_columns=False,
-        shuffle_dataset=False,
-        disable_dropout=True,
-        dataloader_num_workers=0,
-        log_completions=False,
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True,
+        max_completion_length=config.max_completion_length or max(len(s) for s in data.sequences),
     )
     return SegmentGRPOTrainer(
-        model=model, processing_class=tokenizer, args=args, data=data, batches=batches, config=config,
+        model=model, processing_class=tokenizer, args=args, data=data, batches=batches,
         carry_state_from=carry, callbacks=callbacks or None,
     )

@@ -14,9 +14,9 @@ from train_support import TrialSpec, make_run
 from legorl import metric_keys as mk
 from legorl import shards
 from legorl.errors import LegorlError
-from legorl.paths import RunDir
+from legorl.paths import Checkpoints, RunDir
 from legorl.schemas import Kind
-from legorl.stages.train import _build_trainer, latest_checkpoint, prepare, run_train
+from legorl.stages.train import _build_trainer, prepare, run_train
 from legorl.training.batching import make_batches
 from legorl.training.config import TrainConfig
 from legorl.training.data import load_step
@@ -216,7 +216,7 @@ def test_fidelity_on_fp32_rollouts_and_stage_outputs(exact_run: RunDir, tiny_mod
     assert m[mk.SEGMENTS_COUNT, None] == len(SPECS) + 1
     ckpt = result.checkpoint
     assert ckpt == exact_run.checkpoints / "step-0"
-    assert latest_checkpoint(exact_run.checkpoints) == ckpt
+    assert Checkpoints(exact_run.checkpoints).latest() == ckpt
     for name in ("config.json", "model.safetensors", "tokenizer.json", "optimizer.pt", "scheduler.pt",
                  "trainer_state.json", "legorl_train.json"):
         assert (ckpt / name).exists(), name

@@ -26,10 +26,10 @@ import pytest
 from legorl import metric_keys as mk
 from legorl import shards
 from legorl.errors import LegorlError
-from legorl.paths import RunDir
+from legorl.paths import INFO_FILE, RunDir
 from legorl.proxy.budgets import Budgets
 from legorl.schemas import CALL_TYPE, GradeRow, Kind, TrialRow
-from legorl.stages.train import INFO_FILE, run_train
+from legorl.stages.train import run_train
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData, Trial
 from legorl.training.sampling import CallSampling, step_sampling

@@ -1,10 +1,26 @@
-"""The training stage's options: one dataclass, each field documented once (the CLI mirrors them)."""
+"""The training stage's options: TRL's ``GRPOConfig`` plus legorl's fields, each documented once.
+
+:class:`TrainConfig` *is* the ``GRPOConfig`` the trainer runs with, so every TRL and Trainer
+setting keeps its meaning, default and help. legorl adds its own fields (the loss by name, the
+importance correction against the rollout policy, trial weighting, routing replay, segment
+selection, micro-batching) and redeclares a TRL field only where its default or meaning differs;
+each such help says why. ``TRAIN_CLI_FIELDS`` names the fields ``legorl train`` exposes (help
+text: ``metadata["help"]``; option name: ``metadata["flag"]`` where it is not ``--field-name``).
+
+The settings the segment trainer relies on are not options: ``__post_init__`` sets them whatever
+was passed (:data:`FIXED_TRL_SETTINGS`, plus the few derived from legorl's fields).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any, Literal
+
+import torch
+from transformers.trainer_utils import SchedulerType
+from trl import GRPOConfig
 
 from legorl.errors import ConfigError
 from legorl.schemas import SegmentReason
@@ -18,75 +34,120 @@ Replay = Literal["auto", "on", "off"]
 LOSSES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo")
 IS_LEVELS: tuple[str, ...] = ("token", "sequence", "none")
 
+# TRL / Trainer settings the segment trainer needs; __post_init__ sets them whatever was passed.
+FIXED_TRL_SETTINGS: dict[str, Any] = {
+    # TRL's per-prompt batch shape is unused (a batch is whole groups of any size, batching.py);
+    # these two only pass its divisibility checks.
+    "per_device_train_batch_size": 2,
+    "num_generations": 2,
+    # Derived by TRL from steps_per_generation; cleared so that dataclasses.replace (which passes
+    # both back in) does not trip its "not both" check.
+    "generation_batch_size": None,
+    "num_train_epochs": 1,  # one pass over the step's generation batches (batching.py repeats them)
+    "logging_steps": 1,  # every update is a metrics row
+    "save_strategy": "steps",  # with save_steps = num_iterations: at generation-batch boundaries
+    "save_total_limit": 1,
+    "remove_unused_columns": False,  # the dataset is one column of sequence indices
+    "shuffle_dataset": False,  # the batch sampler orders the groups (seeded, batching.py)
+    "disable_dropout": True,  # the recomputed old logprobs must be the ones the loss sees
+    "dataloader_num_workers": 0,
+    "log_completions": False,  # nothing is generated
+    "disable_tqdm": True,  # stdout stays clean for --json
+}
+
+# TRL fields that shape the update: recorded with legorl's own in a checkpoint's info file.
+_UPDATE_FIELDS: tuple[str, ...] = (
+    "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "num_iterations",
+    "epsilon", "epsilon_high", "beta", "scale_rewards", "loss_type", "importance_sampling_level", "max_completion_length",
+    "temperature", "seed", "bf16", "gradient_checkpointing", "report_to",
+)
+
 
 @dataclass
-class TrainConfig:
-    loss: LossName = "grpo"
-    """Policy loss, all TRL's own: ``grpo`` (per-sequence mean), ``dr_grpo`` (constant normaliser),
-    ``dapo`` (token-level mean), ``gspo`` (TRL's ``grpo`` with sequence-level importance ratios)."""
+class TrainConfig(GRPOConfig):
+    """One policy-gradient step's settings (``legorl train``), as the ``GRPOConfig`` TRL trains with."""
 
-    importance_sampling: ISLevel = "token"
-    """Correction against the rollout policy's logprobs: ``token`` (truncated per-token weights, TIS),
-    ``sequence`` (one truncated weight per segment) or ``none``."""
+    # ------------------------------------------------------------------ legorl's own
 
-    is_cap: float = 2.0
-    """Truncation cap C of the importance weights ``min(pi_old / pi_rollout, C)``."""
+    loss: LossName = field(default="grpo", metadata={"help": (
+        "Policy loss, all TRL's own: grpo (per-sequence mean), dr_grpo (constant normaliser), dapo "
+        "(token-level mean), gspo (TRL's grpo with sequence-level importance ratios). Sets TRL's loss_type "
+        "and importance_sampling_level.")})
+    importance_sampling: ISLevel = field(default="token", metadata={"flag": "--is", "help": (
+        "Correction against the rollout policy's logprobs: token (truncated per-token weights, TIS), "
+        "sequence (one truncated weight per segment) or none.")})
+    is_cap: float = field(default=2.0, metadata={"help": (
+        "Truncation cap C of the importance weights min(pi_old / pi_rollout, C).")})
+    trial_weighting: TrialWeighting | None = field(default=None, metadata={"help": (
+        "How much a trial weighs in the loss. trial: every trial counts once, whatever its length and "
+        "segment count; token: every sampled token counts once. Default: trial for grpo/gspo, token for "
+        "dapo/dr_grpo (what each loss means). Either way, splitting a trial into segments never changes its "
+        "weight (legorl.training.weighting).")})
+    micro_batches: int = field(default=1, metadata={"help": (
+        "Gradient-accumulation micro-batches per optimizer update (memory, not maths); sets TRL's "
+        "gradient_accumulation_steps and steps_per_generation.")})
+    groups_per_batch: int | None = field(default=None, metadata={"help": (
+        "Whole groups per generation batch (one batch = num_iterations updates); default: all groups of the "
+        "step in one batch.")})
+    routing_replay: Replay = field(default="auto", metadata={"help": (
+        "Force the experts recorded at generation (MoE models): auto = when the model is MoE and the "
+        "segments carry routing.")})
+    reasons: tuple[str, ...] = field(
+        default=(SegmentReason.MAIN, SegmentReason.REWRITE, SegmentReason.SUBAGENT),
+        metadata={"help": "Segment reasons trained on (auxiliary calls such as title generation are left out by "
+                          "default)."},
+    )
+    logprob_batch_size: int = field(default=8, metadata={"help": (
+        "Sequences per no-grad forward when recomputing old logprobs.")})
 
-    scale_rewards: RewardScale | None = None
-    """Advantage scaling: ``group`` std (GRPO), ``batch`` std, or ``none`` (Dr.GRPO). Default: ``none``
-    for ``dr_grpo``, ``group`` otherwise."""
+    # ------------------------------------------------------------------ TRL's, redeclared
+    # (scale_rewards and temperature add None, "decided per step", to TRL's types: hence the ignores)
 
-    trial_weighting: TrialWeighting | None = None
-    """How much a trial weighs in the loss. ``trial``: every trial counts once, whatever its length and
-    segment count; ``token``: every sampled token counts once. Default: ``trial`` for ``grpo``/``gspo``,
-    ``token`` for ``dapo``/``dr_grpo`` (what each loss means). Either way, splitting a trial into
-    segments never changes its weight. See :mod:`legorl.training.weighting`."""
-
-    learning_rate: float = 1e-6
-    num_iterations: int = 1
-    """Optimizer passes over each batch (PPO epochs; GRPO's mu)."""
-
-    micro_batches: int = 1
-    """Gradient-accumulation micro-batches per optimizer update (memory, not maths)."""
-
-    groups_per_batch: int | None = None
-    """Whole groups per generation batch (one batch = ``num_iterations`` updates); None = all groups
-    of the step in one batch."""
-
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    beta: float = 0.0
-    """KL penalty to the initial model (needs a reference model copy when > 0)."""
-
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    temperature: float | None = None
-    """Sampling temperature of the rollouts, only for shards that do not record it (then default 1.0).
-    The proxy records the sampling of every call and the trainer takes it from there; a value given
-    here that differs from the recorded one is refused (:mod:`legorl.training.sampling`)."""
-
-    routing_replay: Replay = "auto"
-    """Force the experts recorded at generation (MoE): ``auto`` = when the model is MoE and the
-    segments carry routing."""
-
-    reasons: tuple[str, ...] = (SegmentReason.MAIN, SegmentReason.REWRITE, SegmentReason.SUBAGENT)
-    """Segment reasons trained on (auxiliary calls such as title generation are left out by default)."""
-
-    logprob_batch_size: int = 8
-    """Sequences per no-grad forward when recomputing old logprobs."""
-
-    max_length: int | None = None
-    """Dr.GRPO's constant normaliser (tokens per sequence); default: the longest segment of the step."""
-
-    seed: int = 0
-    report_to: list[str] = field(default_factory=lambda: ["none"])
-    """TRL reporters: ``tensorboard``, ``wandb``, ... (when installed)."""
-
-    bf16: bool = False
-    gradient_checkpointing: bool = False
+    learning_rate: float = field(default=1e-6, metadata={"flag": "--lr", "help": (
+        "The initial learning rate for AdamW (TRL's default; redeclared for its option name).")})
+    lr_scheduler_type: SchedulerType | str = field(default="constant_with_warmup", metadata={"help": (
+        "Learning-rate schedule within a step. Not Trainer's linear decay: a step has a few updates and "
+        "the next step carries the schedule on from the checkpoint.")})
+    scale_rewards: RewardScale | None = field(  # type: ignore[assignment]
+        default=None, metadata={"help": (
+        "Advantage scaling: group std (GRPO), batch std, or none (Dr.GRPO). Default: none for dr_grpo, group "
+        "otherwise (TRL: always group). legorl computes advantages over the whole step before training "
+        "(legorl.training.advantages).")})
+    temperature: float | None = field(  # type: ignore[assignment]
+        default=None, metadata={"help": (
+        "Sampling temperature of the rollouts, only for shards that do not record it (then 1.0). The proxy "
+        "records the sampling of every call and the trainer takes it from there; a different value here is "
+        "refused (legorl.training.sampling). Unset = take it from the shards (TRL: 1.0).")})
+    max_completion_length: int | None = field(default=None, metadata={"help": (
+        "Only Dr.GRPO's constant normaliser (tokens per sequence): nothing is generated. Default: the "
+        "longest segment of the step (TRL: 512).")})
+    seed: int = field(default=0, metadata={"help": (
+        "Random seed of the trainer, the batch order and the micro-batch cuts (Trainer: 42).")})
+    report_to: list[str] = field(default_factory=lambda: ["none"], metadata={"help": (
+        "TRL reporters, comma-separated (tensorboard, wandb, ... when installed) or none; metrics always go "
+        "to RUN/train/metrics.")})
+    bf16: bool = field(default=False, metadata={"help": (
+        "Train in bfloat16: the model is loaded in bf16 and mixed precision is on (TRL: on unless fp16; "
+        "legorl: off, for CPUs and exact logprob checks).")})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": (
+        "Recompute activations in the backward pass to save memory (TRL: on; legorl: off, as segments "
+        "are short on the small models it is tested with).")})
 
     def __post_init__(self) -> None:
+        self._validate()
+        for name, value in FIXED_TRL_SETTINGS.items():
+            setattr(self, name, value)
+        self.gradient_accumulation_steps = self.steps_per_generation = self.micro_batches
+        self.save_steps = self.num_iterations  # generation-batch boundaries: resuming there is exact
+        self.loss_type, self.importance_sampling_level = self.trl_loss_type, self.trl_is_level
+        self.use_cpu = self.use_cpu or not torch.cuda.is_available()
+        if hasattr(self, "activation_checkpointing"):
+            # transformers 5's new name for it, which wins over the old one (and warns when unset):
+            # legorl's name is the one its callers set, also through dataclasses.replace.
+            self.activation_checkpointing = self.gradient_checkpointing
+        super().__post_init__()
+
+    def _validate(self) -> None:
         if self.loss not in LOSSES:
             raise ConfigError(f"unknown loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
         if self.importance_sampling not in IS_LEVELS:
@@ -133,6 +194,22 @@ class TrainConfig:
         return "sequence" if self.loss == "gspo" else "token"
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        """legorl's fields and the TRL fields that shape the update, JSON-safe: a checkpoint's record of
+        its step's settings (and what TRL's reporters log as the run's hyperparameters), not
+        ``TrainingArguments``' every field."""
+        own = [f.name for f in fields(self) if f.name in _OWN_FIELDS]
+        out = {name: getattr(self, name) for name in (*own, *_UPDATE_FIELDS)}
         out["reasons"] = [str(r) for r in self.reasons]
-        return out
+        out["report_to"] = list(self.report_to)
+        return {k: v.value if isinstance(v, Enum) else v for k, v in out.items()}
+
+
+# legorl's own fields: the ones TrainConfig declares that GRPOConfig does not have.
+_OWN_FIELDS: frozenset[str] = frozenset(f.name for f in fields(TrainConfig)) - {f.name for f in fields(GRPOConfig)}
+
+# The fields `legorl train` exposes as options (cli/options.py reads help, flag, type and default).
+TRAIN_CLI_FIELDS: tuple[str, ...] = (
+    "loss", "importance_sampling", "is_cap", "learning_rate", "num_iterations", "micro_batches",
+    "groups_per_batch", "scale_rewards", "trial_weighting", "routing_replay", "report_to", "temperature",
+    "seed", "bf16",
+)

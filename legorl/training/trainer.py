@@ -29,7 +29,7 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
 from transformers.trainer_callback import PrinterCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import identity
 
@@ -67,16 +67,15 @@ class SegmentGRPOTrainer(GRPOTrainer):
         self,
         model: Any,
         processing_class: Any,
-        args: GRPOConfig,
+        args: TrainConfig,
         data: StepData,
         batches: list[list[int]],
-        config: TrainConfig,
         carry_state_from: Path | None = None,
         callbacks: list[Any] | None = None,
     ):
         self.step_data = data
         self.batches = batches
-        self.legorl_config = config
+        self.train_config = args  # ``self.args``, typed: legorl's fields live on TRL's config
         self.recorder = MetricsRecorder()
         self.carry_state_from = carry_state_from
         self.trained_tokens = 0
@@ -94,13 +93,13 @@ class SegmentGRPOTrainer(GRPOTrainer):
         self.pad_id = int(pad_id)
         self.routing_shape = routing_shape(self.accelerator.unwrap_model(self.model))
         has_routing = any(s.routed_experts is not None for s in data.sequences)
-        if config.routing_replay == "on" and (self.routing_shape is None or not has_routing):
+        if args.routing_replay == "on" and (self.routing_shape is None or not has_routing):
             raise LegorlError(
                 "routing replay is on but "
                 + ("the model is not MoE" if self.routing_shape is None else "the segments carry no routed_experts")
             )
         self.uses_routing = self.routing_shape is not None and has_routing
-        self.replay = self.uses_routing and config.routing_replay != "off"
+        self.replay = self.uses_routing and args.routing_replay != "off"
         # Logs go to the metrics shards and TRL's reporters; keep stdout clean for `--json`.
         self.remove_callback(PrinterCallback)
 
@@ -122,15 +121,16 @@ class SegmentGRPOTrainer(GRPOTrainer):
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             scored = self._generate_and_score_completions(generation_batch)
             # Seeded by the update count, so a resumed run cuts the same micro-batches.
-            generator = torch.Generator().manual_seed(self.legorl_config.seed * 1_000_003 + self.state.global_step)
+            generator = torch.Generator().manual_seed(self.train_config.seed * 1_000_003 + self.state.global_step)
             self._buffered_inputs = split(scored, self.steps_per_generation, generator)
         inputs: dict[str, Any] = self._buffered_inputs[self._step % len(self._buffered_inputs)]
         return inputs
 
     @property
     def steps_per_generation(self) -> int:
-        args: Any = self.args
-        return int(args.steps_per_generation)
+        steps = self.train_config.steps_per_generation
+        assert steps is not None  # GRPOConfig.__post_init__ derives it
+        return steps
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         device = self.accelerator.device
@@ -148,7 +148,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
 
         mask = padded.loss_mask.to(device)
         rollout_logps = padded.rollout_logps.to(device)
-        cfg = self.legorl_config
+        cfg = self.train_config
         weights, weight_stats = importance_weights(old_logps, rollout_logps, mask, cfg.importance_sampling, cfg.is_cap)
         trial_advantage = torch.tensor([s.advantage * s.scale for s in seqs], dtype=torch.float32, device=device)
         if cfg.trl_loss_type == "grpo":
@@ -192,7 +192,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
         watched) per chunk."""
         watch = RoutingWatch()
         out = []
-        size = self.legorl_config.logprob_batch_size
+        size = self.train_config.logprob_batch_size
         for start in range(0, input_ids.shape[0], size):
             end = start + size
             with self.routing_context(None if routing is None else routing[start:end], watch):
