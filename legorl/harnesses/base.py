@@ -1,13 +1,13 @@
 """The harness interface and the mechanics every adapter shares, written once.
 
-:class:`Harness` is the typing contract; :class:`BaseHarness` is the abstract base of legorl's
-adapters (a harness that runs in legorl's own process, like ``simple``, writes ``run`` itself), and
-:class:`ProcessHarness` the one for a harness that is a separate program. Such an adapter knows three
-things about its harness: which install it needs, how to launch it for one trial (command line,
-environment, config files), and how to read how it ended. Everything else is here: the per-trial folder (HOME, config, logs), where the process runs (on the host, or
-inside the trial container), its environment, the wall-clock limit and the kill of its whole
-process group, log capture, and turning all that plus the proxy's view into an
-:class:`~legorl.schemas.Outcome`.
+:class:`Harness` is the typing contract. :class:`BaseHarness` is the abstract base of legorl's
+adapters: one that runs in legorl's own process (``simple``) writes ``run`` itself. A harness that
+is a separate program derives from :class:`ProcessHarness`, and its adapter knows three things
+about it: which install it needs, how to launch it for one trial (command line, environment,
+config files), and how to read how it ended. Everything else is here: the per-trial folder (HOME,
+config, logs), where the process runs (on the host, or inside the trial container), its
+environment, the wall-clock limit and the kill of its whole process group, log capture, and
+turning all that plus the proxy's view into an :class:`~legorl.schemas.Outcome`.
 
 Harnesses never see anything of legorl but a base URL (``/sess/<trial>/v1``, or ``/sess/<trial>``
 for the Anthropic API), the task's problem statement and the repository at ``/testbed``. Inside
