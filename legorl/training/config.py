@@ -58,8 +58,8 @@ FIXED_TRL_SETTINGS: dict[str, Any] = {
 # TRL fields that shape the update: recorded with legorl's own in a checkpoint's info file.
 _UPDATE_FIELDS: tuple[str, ...] = (
     "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "num_iterations",
-    "epsilon", "epsilon_high", "beta", "scale_rewards", "loss_type", "importance_sampling_level", "max_completion_length",
-    "temperature", "seed", "bf16", "gradient_checkpointing", "report_to",
+    "epsilon", "epsilon_high", "beta", "scale_rewards", "loss_type", "importance_sampling_level",
+    "max_completion_length", "temperature", "seed", "bf16", "gradient_checkpointing", "report_to",
 )
 
 
@@ -106,18 +106,18 @@ class TrainConfig(GRPOConfig):
     learning_rate: float = field(default=1e-6, metadata={"flag": "--lr", "help": (
         "The initial learning rate for AdamW (TRL's default; redeclared for its option name).")})
     lr_scheduler_type: SchedulerType | str = field(default="constant_with_warmup", metadata={"help": (
-        "Learning-rate schedule within a step. Not Trainer's linear decay: a step has a few updates and "
-        "the next step carries the schedule on from the checkpoint.")})
+        "Learning-rate schedule. Not Trainer's linear decay, which would reach 0 at the end of every step's "
+        "few updates: one rate after warmup_steps, counted across steps (the schedule carries over).")})
     scale_rewards: RewardScale | None = field(  # type: ignore[assignment]
         default=None, metadata={"help": (
-        "Advantage scaling: group std (GRPO), batch std, or none (Dr.GRPO). Default: none for dr_grpo, group "
-        "otherwise (TRL: always group). legorl computes advantages over the whole step before training "
-        "(legorl.training.advantages).")})
+            "Advantage scaling: group std (GRPO), batch std, or none (Dr.GRPO). Default: none for dr_grpo, "
+            "group otherwise (TRL: always group). legorl computes advantages over the whole step before "
+            "training (legorl.training.advantages).")})
     temperature: float | None = field(  # type: ignore[assignment]
         default=None, metadata={"help": (
-        "Sampling temperature of the rollouts, only for shards that do not record it (then 1.0). The proxy "
-        "records the sampling of every call and the trainer takes it from there; a different value here is "
-        "refused (legorl.training.sampling). Unset = take it from the shards (TRL: 1.0).")})
+            "Sampling temperature of the rollouts, only for shards that do not record it (then 1.0). The "
+            "proxy records the sampling of every call and the trainer takes it from there; a different value "
+            "here is refused (legorl.training.sampling). Unset = take it from the shards (TRL: 1.0).")})
     max_completion_length: int | None = field(default=None, metadata={"help": (
         "Only Dr.GRPO's constant normaliser (tokens per sequence): nothing is generated. Default: the "
         "longest segment of the step (TRL: 512).")})
@@ -128,10 +128,9 @@ class TrainConfig(GRPOConfig):
         "to RUN/train/metrics.")})
     bf16: bool = field(default=False, metadata={"help": (
         "Train in bfloat16: the model is loaded in bf16 and mixed precision is on (TRL: on unless fp16; "
-        "legorl: off, for CPUs and exact logprob checks).")})
+        "legorl: off, as the default must run on CPUs).")})
     gradient_checkpointing: bool = field(default=False, metadata={"help": (
-        "Recompute activations in the backward pass to save memory (TRL: on; legorl: off, as segments "
-        "are short on the small models it is tested with).")})
+        "Recompute activations in the backward pass: less memory, about a fifth slower (TRL: on; legorl: off).")})
 
     def __post_init__(self) -> None:
         self._validate()
