@@ -1,9 +1,9 @@
 """Config dataclasses as command-line options: each option's type, default and help live once, on its field.
 
 A component's config is a dataclass whose CLI-facing fields carry ``metadata={"help": ...}`` (TRL's
-``*Config`` pattern); optional metadata: ``"flag"`` (the option's name when it is not
-``--field-name``) and ``"parse"`` (a function from the command-line string to the field's value,
-e.g. a comma-separated list). A command declares which configs it takes::
+``*Config`` pattern); optional metadata: ``"aliases"`` (more option names beside
+``--field-name``, as transformers' ``HfArgumentParser`` reads them) and ``"parse"`` (a function from
+the command-line string to the field's value; list fields are comma-separated without one). A command declares which configs it takes::
 
     @app.command("rollout")
     @with_configs(cfg=ConfigOptions(RolloutConfig))
@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-HELP, FLAG, PARSE = "help", "flag", "parse"
+HELP, ALIASES, PARSE = "help", "aliases", "parse"
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class ConfigOptions:
     exclude: Collection[str] = ()
     prefix: str = ""  # prepended to every option name and parameter: "grade-" -> --grade-timeout
     defaults: Mapping[str, Any] = field(default_factory=dict)  # values of fields the command does not expose
+    factory: Callable[..., Any] | None = None  # builds the config from the fields (default: ``cls``)
 
     def fields(self) -> list[dataclasses.Field[Any]]:
         out = []
@@ -59,9 +60,11 @@ class ConfigOptions:
     def param_name(self, f: dataclasses.Field[Any]) -> str:
         return self.prefix.replace("-", "_") + f.name
 
-    def flag(self, f: dataclasses.Field[Any]) -> str:
-        name = f.metadata.get(FLAG) or "--" + f.name.replace("_", "-")
-        return "--" + self.prefix + name.removeprefix("--") if self.prefix else name
+    def flags(self, f: dataclasses.Field[Any]) -> list[str]:
+        """``--field-name`` first, then the field's aliases; each with the prefix."""
+        aliases = f.metadata.get(ALIASES) or []
+        names = ["--" + f.name.replace("_", "-"), *([aliases] if isinstance(aliases, str) else aliases)]
+        return ["--" + self.prefix + n.removeprefix("--") for n in names]
 
     def parameters(self) -> list[inspect.Parameter]:
         hints = typing.get_type_hints(self.cls)
@@ -69,7 +72,7 @@ class ConfigOptions:
         for f in self.fields():
             params.append(inspect.Parameter(
                 self.param_name(f), inspect.Parameter.KEYWORD_ONLY,
-                annotation=_option_type(f, hints[f.name], self.flag(f)),
+                annotation=_option_type(f, hints[f.name], self.flags(f)),
                 default=_cli_default(f),
             ))
         return params
@@ -90,7 +93,7 @@ class ConfigOptions:
                 items = [v.strip() for v in value.split(",") if v.strip()]
                 value = _sequence_type(hints[f.name])(items)  # type: ignore[misc]
             kwargs[f.name] = value
-        return self.cls(**kwargs)
+        return (self.factory or self.cls)(**kwargs)
 
 
 def _sequence_type(hint: Any) -> type | None:
@@ -116,7 +119,7 @@ def _cli_default(f: dataclasses.Field[Any]) -> Any:
     return default
 
 
-def _option_type(f: dataclasses.Field[Any], hint: Any, flag: str) -> Any:
+def _option_type(f: dataclasses.Field[Any], hint: Any, flags: list[str]) -> Any:
     """``Annotated[<type typer can parse>, typer.Option(flag, help=...)]`` for a field."""
     base, optional = hint, False
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -127,7 +130,7 @@ def _option_type(f: dataclasses.Field[Any], hint: Any, flag: str) -> Any:
         base = str  # parsed from its command-line text by ConfigOptions.build
     elif not (base in (int, float, str, bool, Path) or typing.get_origin(base) is Literal):
         raise TypeError(f"{f.name}: a CLI option needs a 'parse' function for type {hint!r}")
-    option = typer.Option(flag, help=f.metadata[HELP])
+    option = typer.Option(*flags, help=f.metadata[HELP])
     return Annotated[base | None if optional else base, option]
 
 

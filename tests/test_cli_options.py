@@ -24,7 +24,7 @@ class Sample:
     samples: int = field(default=1, metadata={"help": "Trials per task."})
     temperature: float | None = field(default=1.0, metadata={"help": "Sampling temperature."})
     loss: Literal["grpo", "gspo"] = field(default="grpo", metadata={"help": "Policy loss."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "Learning rate.", "flag": "--lr"})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Learning rate.", "aliases": ["--lr"]})
     names: list[str] = field(default_factory=lambda: ["a", "b"], metadata={"help": "Names, comma-separated."})
     shouted: list[str] = field(default_factory=list, metadata={"help": "Plus-separated.", "parse": _upper})
     keep: bool = field(default=False, metadata={"help": "Keep things."})
@@ -76,7 +76,7 @@ def test_fields_become_options_with_their_types_defaults_and_help() -> None:
     help_text = CliRunner().invoke(app, ["main", "--help"], terminal_width=200).output
     for text in ("--samples", "Trials per task.", "--lr", "Learning rate.", "--names", "--verbose"):
         assert text in help_text
-    assert "--learning-rate" not in help_text and "--internal" not in help_text
+    assert "--learning-rate" in help_text and "--internal" not in help_text
     assert "[default: 1]" in help_text and "a,b" in help_text
 
 

@@ -292,4 +292,6 @@ def test_cli_train_json_and_one_line_errors(exact_run: RunDir, tiny_model: Path,
     assert bad.exit_code != 0
     assert isinstance(bad.exception, LegorlError) and "no rollouts" in str(bad.exception)
     bad = runner.invoke(app, ["train", "--run", str(exact_run.root), "--model", str(tiny_model), "--loss", "ppo"])
-    assert isinstance(bad.exception, LegorlError) and "unknown loss 'ppo'" in str(bad.exception)
+    assert bad.exit_code == 2 and "--loss" in bad.output and "'ppo' is not one of" in bad.output
+    bad = runner.invoke(app, ["train", "--run", str(exact_run.root), "--model", str(tiny_model), "--is-cap", "0"])
+    assert isinstance(bad.exception, LegorlError) and "--is-cap must be > 0" in str(bad.exception)

@@ -12,7 +12,8 @@ from trl import GRPOConfig
 
 from legorl.cli.options import ConfigOptions
 from legorl.errors import ConfigError
-from legorl.training.config import FIXED_TRL_SETTINGS, TRAIN_CLI_FIELDS, TrainConfig
+from legorl.training.config import FIXED_TRL_SETTINGS, TrainConfig
+from legorl.training.options import TRAIN_CLI_FIELDS, TrainOptions
 
 
 def test_is_trls_config_with_legorls_defaults_and_fixed_settings() -> None:
@@ -78,18 +79,32 @@ def test_to_dict_is_the_update_settings_json_safe() -> None:
     assert "output_dir" not in record and "per_device_train_batch_size" not in record
 
 
-def test_cli_fields_are_documented_and_are_legorl_trains_options() -> None:
+def test_cli_fields_are_documented_once_and_are_legorl_trains_options() -> None:
     from legorl.cli.app import app
 
-    spec = ConfigOptions(TrainConfig, only=TRAIN_CLI_FIELDS)
+    spec = ConfigOptions(TrainOptions, only=TRAIN_CLI_FIELDS)
     documented = {f.name: f for f in spec.fields()}
     assert set(documented) == set(TRAIN_CLI_FIELDS)
     assert all(f.metadata["help"].strip() for f in documented.values())
-    assert spec.flag(documented["learning_rate"]) == "--lr" and spec.flag(documented["importance_sampling"]) == "--is"
+    assert spec.flags(documented["learning_rate"]) == ["--learning-rate", "--lr"]
+    # TrainConfig's fields are TrainOptions' (help and default), not TRL's of the same name
+    config_fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name, f in documented.items():
+        assert config_fields[name].metadata is f.metadata, name
+        if name != "report_to":  # Trainer normalises ["none"] to []
+            assert getattr(TrainConfig(), name) == getattr(TrainOptions(), name), name
 
     command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
     options = {p.opts[0]: p.default for p in command.params}
     own = {"--run", "--model", "--out", "--step", "--resume", "--json"}
-    from_config = {spec.flag(f): p.default for f, p in zip(spec.fields(), spec.parameters(), strict=True)}
-    assert set(options) - own == set(from_config)
-    assert {flag: options[flag] for flag in from_config} == from_config  # same defaults as the command's
+    assert set(options) - own == {spec.flags(f)[0] for f in spec.fields()}
+    assert options["--learning-rate"] == 1e-6 and options["--loss"] == "grpo" and options["--report-to"] == "none"
+
+
+def test_the_command_line_does_not_import_trl() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, legorl.cli.app; print(sorted(m for m in ('trl', 'torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
