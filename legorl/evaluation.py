@@ -1,8 +1,8 @@
 """Evaluation glue: the eval view of a run directory, its settings, its report and predictions.
 
-``legorl eval`` is the rollout and grade stages run with eval settings, then the monitor's report.
-So that eval data never mixes with training data, eval lives in ``RUN/eval/``, which has the
-layout of a run directory of its own::
+``legorl eval`` is the rollout and grade stages run with eval settings, then the monitor's report
+(composed by :mod:`legorl.flows.evaluate`). So that eval data never mixes with training data, eval
+lives in ``RUN/eval/``, which has the layout of a run directory of its own::
 
     RUN/eval/tasks/      a byte copy of the task set evaluated (RUN/tasks unless told otherwise)
     RUN/eval/rollouts/   one trial row per (task, harness, step, sample)

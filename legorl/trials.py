@@ -143,7 +143,7 @@ class TrialRunner:
     def attempt(self, job: TrialJob, key: str, n: int) -> Attempt:
         cfg = self.cfg
         harness = self.harness(job.harness)
-        trial_dir = self.run_dir.root / "logs" / "rollout" / f"{_safe(key)}-attempt{n}"
+        trial_dir = self.run_dir.rollout_logs / f"{_safe(key)}-attempt{n}"
         if trial_dir.exists():
             remove_tree(trial_dir)
         trial_dir.mkdir(parents=True)

@@ -16,7 +16,7 @@ from legorl.errors import LegorlError
 from legorl.flows.policy import Loading, PolicySpec, open_policy
 from legorl.paths import RunDir
 from legorl.schemas import GradeRow, Kind, TrialRow
-from legorl.stages.grade import grade_stage, rollout_jobs
+from legorl.stages.grade import GradeSummary, grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, RolloutSummary, plan, rollout_stage
 
 RowT = TypeVar("RowT", contravariant=True)
@@ -32,6 +32,8 @@ class StageProgress(Protocol[RowT]):
 
 @dataclass
 class EvalResult:
+    """What an eval wrote (the report, its files, the predictions) and what each stage did."""
+
     report: dict[str, Any]
     report_json: Path
     report_md: Path
@@ -91,13 +93,13 @@ def _grade(settings: evaluation.EvalSettings, view: RunDir, progress: StageProgr
     jobs = [j for j in jobs if j.trial_id in planned]
     done = shards.already_done(view.grades, Kind.GRADES)
     if all(j.trial_id in done for j in jobs):  # all graded: no containers, no reaper
-        return {"graded": 0, "skipped": len(jobs), "by_status": {}, "resolved": 0, "infra_errors": 0,
-                "mean_reward": None, "mean_seconds": None, "wall_s": 0.0}
-    summary = grade_stage(
-        view.tasks, view.grades, jobs, concurrency=settings.concurrency, timeout=settings.grade_timeout_s,
-        run_label=f"{Path(settings.run).name}-eval", on_start=progress.on_start if progress else None,
-        on_done=progress.on_done if progress else None,
-    )
+        summary = GradeSummary(skipped=len(jobs))
+    else:
+        summary = grade_stage(
+            view.tasks, view.grades, jobs, concurrency=settings.concurrency, timeout=settings.grade_timeout_s,
+            run_label=f"{Path(settings.run).name}-eval", on_start=progress.on_start if progress else None,
+            on_done=progress.on_done if progress else None,
+        )
     result = summary.as_dict()
     result.pop("grades", None)
     return result
