@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -35,7 +36,7 @@ from chaos_support import (
 )
 
 from legorl import shards
-from legorl.schemas import Kind, Outcome, trial_key
+from legorl.schemas import Kind, Outcome, TrialRow, trial_key
 
 FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
 
@@ -310,23 +311,32 @@ def _survivors(marker: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-@pytest.mark.podman
-@pytest.mark.parametrize("plugin", ["ChildHoldsLog", "PipeHeldOpen"])
-def test_harness_hangs_holding_its_output(plugin: str, tiny_model: Path, base_image: str, tmp_path: Path,
-                                          figures: Figures) -> None:
+@dataclass
+class Hang:
+    """What a rollout of a hanging plug-in harness left: did it finish, its rows, what outlived it."""
+
+    finished: bool
+    stderr: str
+    rows: list[TrialRow]
+    leaked: list[str]
+    survivors: list[int]
+
+
+_HANG_TIMEOUT_S = 6
+
+
+def _hang(plugin: str, tasks: int, run: Path, model: Path, figures: Figures) -> Hang:
     marker = f"chaos-hang-{uuid.uuid4().hex[:10]}"
-    run = _run_dir(tmp_path, "hang")
-    tasks = import_tasks(run, 2)
-    timeout_s = 6
-    args = ["rollout", "--run", str(run), "--model", str(tiny_model), "--harness", f"chaos_harnesses:{plugin}",
-            "--limit", "2", "--concurrency", "1", "--max-turns", "2", "--timeout", str(timeout_s), "--retries", "0",
-            "--json"]
+    import_tasks(run, tasks)
+    args = ["rollout", "--run", str(run), "--model", str(model), "--harness", f"chaos_harnesses:{plugin}",
+            "--limit", str(tasks), "--concurrency", "1", "--max-turns", "2", "--timeout", str(_HANG_TIMEOUT_S),
+            "--retries", "0", "--json"]
     with figures.stage(f"harness-hang ({plugin})") as fig:
-        fig.rows_expected += len(tasks)
-        fig.faults_injected += len(tasks)
+        fig.rows_expected += tasks
+        fig.faults_injected += tasks
         proc = start(*args, stdout=subprocess.PIPE, env={"CHAOS_MARKER": marker})
-        try:
-            proc.communicate(timeout=len(tasks) * timeout_s + 75)
+        try:  # enough for the model to load and each trial to reach its timeout
+            proc.communicate(timeout=tasks * _HANG_TIMEOUT_S + 45)
         except subprocess.TimeoutExpired:
             kill_group(proc)
         finally:
@@ -334,14 +344,46 @@ def test_harness_hangs_holding_its_output(plugin: str, tiny_model: Path, base_im
             for pid in survivors:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        finished = proc.returncode == 0
         rows = shards.read_rows(run / "rollouts", Kind.ROLLOUTS)
-        fig.rows_lost += len(tasks) - len(rows)
+        fig.rows_lost += tasks - len(rows)
         leaked = containers(run.name)
         fig.containers_leaked += len(leaked)
         fig.notes.append(f"{len(survivors)} host process(es) of the hung harness outlived the stage")
-    assert finished, f"the stage did not go on past a hung harness: {stderr_of(proc)[-2000:]}"
-    assert [r.outcome for r in rows] == [Outcome.TIMEOUT] * len(tasks), [(r.outcome, r.error) for r in rows]
-    assert not any(r.infra_failure for r in rows)
-    assert leaked == []
-    assert survivors == [], "a child of the hung harness outlived its trial"
+    return Hang(proc.returncode == 0, stderr_of(proc), rows, leaked, survivors)
+
+
+@pytest.fixture(scope="module")
+def child_holds_log(tiny_model: Path, base_image: str, tmp_path_factory: pytest.TempPathFactory,
+                    figures: Figures) -> Hang:
+    """Two trials of a host harness that hangs after starting a setsid child holding its log."""
+    return _hang("ChildHoldsLog", 2, _run_dir(tmp_path_factory.mktemp("hang"), "hang"), tiny_model,
+                 figures)
+
+
+@pytest.mark.podman
+def test_hung_harness_times_out_and_the_stage_goes_on(child_holds_log: Hang) -> None:
+    hang = child_holds_log
+    assert hang.finished, f"the stage did not go on past a hung harness: {hang.stderr[-2000:]}"
+    assert [r.outcome for r in hang.rows] == [Outcome.TIMEOUT] * 2, [(r.outcome, r.error) for r in hang.rows]
+    assert not any(r.infra_failure for r in hang.rows)
+    assert hang.leaked == []
+
+
+@pytest.mark.podman
+@pytest.mark.xfail(strict=True, reason=(
+    "legorl/harnesses/base.py run_on_host/kill_group (l. 244-290) kill only the harness's process group: a "
+    "child that started its own session (setsid) outlives the trial and the stage, holding the trial's log"))
+def test_hung_harness_leaves_no_host_process(child_holds_log: Hang) -> None:
+    assert child_holds_log.survivors == [], "a child of the hung harness outlived its trial"
+
+
+@pytest.mark.podman
+@pytest.mark.xfail(strict=True, reason=(
+    "legorl/trials.py:223 calls harness.run() with no bound of its own: a Python plug-in blocked on a pipe "
+    "its helper's child holds open never returns, so the trial never reaches its timeout and the stage hangs"))
+def test_plugin_blocked_on_a_held_pipe_times_out(tiny_model: Path, base_image: str, tmp_path: Path,
+                                                 figures: Figures) -> None:
+    hang = _hang("PipeHeldOpen", 1, _run_dir(tmp_path, "pipe"), tiny_model, figures)
+    assert hang.finished, f"the stage did not go on past a hung harness: {hang.stderr[-2000:]}"
+    assert [r.outcome for r in hang.rows] == [Outcome.TIMEOUT], [(r.outcome, r.error) for r in hang.rows]
+    assert hang.leaked == [] and hang.survivors == []
