@@ -159,6 +159,7 @@ def run_swebench(tasks: list[TaskRow], images: dict[str, str], concurrency: int,
 
 def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path, run_id: str = "run") -> tuple[float, dict[str, bool]]:
     from legorl import shards
+    from legorl.grading.grader import GradeOptions
     from legorl.schemas import Kind
     from legorl.stages.grade import gold_jobs, grade_stage
 
@@ -171,7 +172,7 @@ def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path, run_id: st
         prepare_repo(t.repo_source or "", t.base_commit or "")
     start = time.monotonic()
     summary = grade_stage(tasks_dir, workdir / run_id / "grades", gold_jobs({t.instance_id: t for t in tasks}),
-                          concurrency=concurrency, timeout=600)
+                          GradeOptions(concurrency=concurrency, test_timeout=600))
     wall = time.monotonic() - start
     return wall, {r.task_id: bool(r.resolved) for r in summary.rows}
 

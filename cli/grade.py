@@ -8,18 +8,19 @@ from typing import Annotated
 import typer
 
 from legorl.cli.common import JsonOption, OptionalRunOption, console, fail, print_json
+from legorl.cli.options import ConfigOptions, with_configs
+from legorl.grading.grader import GradeOptions
 
 
 def register(app: typer.Typer) -> None:
     @app.command("grade")
+    @with_configs(options=ConfigOptions(GradeOptions))
     def grade_command(
+        options: GradeOptions,
         run: OptionalRunOption = None,
         gold: Annotated[bool, typer.Option("--gold", help="Grade each task's own patch (checks the task set).")] = False,
         predictions: Annotated[Path | None, typer.Option(
             "--predictions", help="SWE-bench predictions file: JSON/JSONL of {instance_id, model_patch}.")] = None,
-        concurrency: Annotated[int, typer.Option(help="Grading containers at once.")] = 2,
-        timeout: Annotated[float, typer.Option(help="Seconds the hidden tests may run.")] = 600.0,
-        image: Annotated[str | None, typer.Option(help="Image for tasks without one (default: the base image).")] = None,
         tasks: Annotated[Path | None, typer.Option("--tasks", help="Tasks dataset (default: RUN/tasks).")] = None,
         rollouts: Annotated[Path | None, typer.Option("--rollouts", help="Rollouts dataset (default: RUN/rollouts).")] = None,
         out: Annotated[Path | None, typer.Option("--out", help="Grades dataset (default: RUN/grades).")] = None,
@@ -53,16 +54,18 @@ def register(app: typer.Typer) -> None:
 
         skipped = None if json_out else (lambda n: f"{n} trial(s) already graded: skipped")
         with StageBar("grading", graded, transient=json_out, skipped=skipped) as bar:
-            summary = stage.grade_stage(
-                tasks_dir, out_dir, jobs, concurrency=concurrency, timeout=timeout, image=image,
-                run_label=str(run) if run else None, on_start=bar.on_start, on_done=bar.on_done,
-            )
+            summary = stage.grade_stage(tasks_dir, out_dir, jobs, options, run_label=str(run) if run else None,
+                                        on_start=bar.on_start, on_done=bar.on_done)
         result = summary.as_dict()
         result["infra_rollouts_skipped"] = infra_rollouts
         if json_out:
             print_json(result)
             return
-        statuses = ", ".join(f"{k} {v}" for k, v in sorted(summary.by_status.items())) or "nothing new"
+        if not summary.graded:
+            console.print(f"nothing to grade ({summary.skipped} already graded) -> {out_dir}", highlight=False)
+            return
+        statuses = ", ".join(f"{k} {v}" for k, v in sorted(summary.by_status.items()))
+        per_grade = f"{summary.mean_seconds} s per grade; " if summary.mean_seconds is not None else ""
         console.print(
             f"graded {summary.graded} ({statuses}); resolved {summary.resolved}; mean reward {summary.mean_reward}; "
-            f"{summary.mean_seconds} s per grade; wall {summary.wall_s:.1f} s -> {out_dir}", highlight=False)
+            f"{per_grade}wall {summary.wall_s:.1f} s -> {out_dir}", highlight=False)

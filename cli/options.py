@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping
@@ -67,19 +68,17 @@ class ConfigOptions:
         return ["--" + self.prefix + n.removeprefix("--") for n in names]
 
     def parameters(self) -> list[inspect.Parameter]:
-        hints = typing.get_type_hints(self.cls)
         params = []
         for f in self.fields():
             params.append(inspect.Parameter(
                 self.param_name(f), inspect.Parameter.KEYWORD_ONLY,
-                annotation=_option_type(f, hints[f.name], self.flags(f)),
+                annotation=_option_type(f, _hint(self.cls, f), self.flags(f)),
                 default=_cli_default(f),
             ))
         return params
 
     def build(self, values: dict[str, Any]) -> Any:
         """The config from the parsed options (consumed from ``values``) and ``defaults``."""
-        hints = typing.get_type_hints(self.cls)
         kwargs = dict(self.defaults)
         for f in self.fields():
             value = values.pop(self.param_name(f))
@@ -89,11 +88,19 @@ class ConfigOptions:
                 continue
             if parse is not None and isinstance(value, str):
                 value = parse(value)
-            elif _sequence_type(hints[f.name]) is not None and isinstance(value, str):
-                items = [v.strip() for v in value.split(",") if v.strip()]
-                value = _sequence_type(hints[f.name])(items)  # type: ignore[misc]
+            elif (sequence := _sequence_type(_hint(self.cls, f))) is not None and isinstance(value, str):
+                value = sequence(v.strip() for v in value.split(",") if v.strip())
             kwargs[f.name] = value
         return (self.factory or self.cls)(**kwargs)
+
+
+def _hint(cls: type, f: dataclasses.Field[Any]) -> Any:
+    """The field's type, resolved alone (``get_type_hints`` would resolve every field's, and a
+    config may name heavy types under ``TYPE_CHECKING`` that the command line never needs)."""
+    if not isinstance(f.type, str):
+        return f.type
+    owner = next(c for c in cls.__mro__ if f.name in getattr(c, "__annotations__", {}))
+    return eval(f.type, vars(sys.modules[owner.__module__]))
 
 
 def _sequence_type(hint: Any) -> type | None:
@@ -154,8 +161,8 @@ def with_configs(**configs: ConfigOptions) -> Callable[[Callable[..., Any]], Cal
             built = {name: spec.build(values) for name, spec in configs.items()}
             return command(**values, **built)
 
-        run.__signature__ = inspect.Signature(own + generated)  # type: ignore[attr-defined]
-        run.__annotations__ = {p.name: p.annotation for p in own + generated}
+        run.__signature__ = inspect.Signature(generated + own)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in generated + own}
         del run.__wrapped__  # typer must see the generated signature, not the command's own
         return run
 

@@ -23,69 +23,18 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from legorl import shards
 from legorl.errors import LegorlError
+from legorl.grading.grader import GradeOptions
 from legorl.paths import RunDir
 from legorl.schemas import Kind, trial_key
+from legorl.trials import TrialOptions
 
 PREDICTIONS = "predictions.jsonl"
-
-
-@dataclass
-class EvalSettings:
-    """Options of ``legorl eval`` (each field is a CLI option)."""
-
-    run: Path
-    harnesses: list[str]
-    samples: int = 1  # attempts per task and harness; pass@k needs k <= samples
-    temperature: float | None = None  # None: greedy (0.0) for one sample, 1.0 for several
-    step: int = 0  # the policy step the evaluated model belongs to (part of every trial key)
-    limit: int | None = None  # the first N tasks by instance id
-    concurrency: int = 2  # trials at once, and grading containers at once
-    timeout_s: float = 1800.0  # hard wall-clock limit of one harness run
-    max_turns: int = 30
-    max_tokens: int | None = None
-    retries: int = 2  # extra attempts after an infrastructure error
-    grade_timeout_s: float = 600.0  # seconds the hidden tests may run
-    ks: list[int] | None = None  # pass@k columns (default: 1, powers of two up to samples, samples)
-    tasks: Path | None = None  # task set to evaluate (default RUN/tasks)
-    baseline: Path | None = None  # another run whose eval data is shown side by side
-    baseline_step: int | None = None  # the baseline's step (default: its latest eval step)
-
-    @property
-    def effective_temperature(self) -> float:
-        if self.temperature is not None:
-            return self.temperature
-        return 0.0 if self.samples == 1 else 1.0
-
-    def validate(self) -> None:
-        if not self.harnesses:
-            raise LegorlError("--harness: name at least one harness")
-        for name, value in (("--samples", self.samples), ("--concurrency", self.concurrency),
-                            ("--max-turns", self.max_turns)):
-            if value < 1:
-                raise LegorlError(f"{name} must be at least 1, got {value}")
-        if self.limit is not None and self.limit < 1:
-            raise LegorlError(f"--limit must be at least 1, got {self.limit}")
-        if self.temperature is not None and self.temperature < 0:
-            raise LegorlError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.timeout_s <= 0 or self.grade_timeout_s <= 0:
-            raise LegorlError("--timeout and --grade-timeout must be positive")
-        for k in self.ks or []:
-            if k < 1:
-                raise LegorlError(f"--ks: k must be at least 1, got {k}")
-
-    def as_report_dict(self) -> dict[str, Any]:
-        """The settings that shape the numbers, as recorded in the report (no paths, no times)."""
-        return {
-            "samples": self.samples, "temperature": self.effective_temperature, "step": self.step,
-            "limit": self.limit, "max_turns": self.max_turns, "max_tokens": self.max_tokens,
-            "timeout_s": self.timeout_s, "grade_timeout_s": self.grade_timeout_s,
-        }
 
 
 def parse_ks(text: str | None) -> list[int] | None:
@@ -99,6 +48,44 @@ def parse_ks(text: str | None) -> list[int] | None:
     if not ks or ks[0] < 1:
         raise LegorlError(f"--ks {text!r}: every k must be at least 1")
     return ks
+
+
+@dataclass(kw_only=True)
+class EvalSettings(TrialOptions):
+    """Options of ``legorl eval``: the trials' (:class:`~legorl.trials.TrialOptions`), the grading's and the report's."""
+
+    run: Path = field(metadata={"help": "Run directory; the eval lives in RUN/eval."})
+    temperature: float | None = field(default=None, metadata={"help": (
+        "Sampling temperature (default: 0 = greedy for one sample, 1.0 for several).")})
+    step: int = field(default=0, metadata={"help": "Policy step of the evaluated model (part of every trial key)."})
+    ks: list[int] | None = field(default=None, metadata={"parse": parse_ks, "help": (
+        "pass@k columns, e.g. 1,5 (default: 1, powers of two up to samples, samples).")})
+    tasks: Path | None = field(default=None, metadata={"help": (
+        "Task set to evaluate (default: RUN/tasks); copied to RUN/eval/tasks.")})
+    baseline: Path | None = field(default=None, metadata={"help": (
+        "Another run directory whose eval results are shown side by side.")})
+    baseline_step: int | None = field(default=None, metadata={"help": (
+        "The baseline's step (default: its latest eval step).")})
+    grade: GradeOptions = field(default_factory=GradeOptions)  # how the eval's trials are graded
+
+    @property
+    def effective_temperature(self) -> float:
+        if self.temperature is not None:
+            return self.temperature
+        return 0.0 if self.samples == 1 else 1.0
+
+    def validate(self) -> None:
+        for k in self.ks or []:
+            if k < 1:
+                raise LegorlError(f"--ks: k must be at least 1, got {k}")
+
+    def as_report_dict(self) -> dict[str, Any]:
+        """The settings that shape the numbers, as recorded in the report (no paths, no times)."""
+        return {
+            "samples": self.samples, "temperature": self.effective_temperature, "step": self.step,
+            "limit": self.limit, "max_turns": self.max_turns, "max_tokens": self.max_tokens,
+            "timeout_s": self.timeout_s, "grade_timeout_s": self.grade.test_timeout,
+        }
 
 
 def eval_dir(run: str | os.PathLike[str]) -> RunDir:

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from legorl.errors import LegorlError
-from legorl.harnesses import Harness
+from legorl.errors import ConfigError, LegorlError
+from legorl.harnesses import Harness, parse_names
 from legorl.harnesses import get as get_harness
 from legorl.harnesses.base import LOG_NAME, End, HarnessRun, ProxyView, TrialSpec, classify
 from legorl.harnesses.channel import ProxyChannel
@@ -42,6 +42,46 @@ from legorl.sandbox.base import Sandbox, SandboxSpec
 from legorl.schemas import Outcome, TaskRow, Timings, TrialRow, trial_key
 
 SandboxFactory = Callable[[SandboxSpec], Sandbox]
+
+# A call's default completion cap: a model that rambles (or loops) cannot spend a whole trial's
+# wall-clock budget on one reply the harness never sees.
+DEFAULT_MAX_TOKENS = 4096
+
+
+@dataclass(kw_only=True)
+class TrialOptions:
+    """How each trial runs, as ``legorl rollout``, ``eval`` and ``loop`` take it (each field an option)."""
+
+    harnesses: list[str] = field(metadata={"aliases": ["--harness"], "parse": parse_names, "help": (
+        "Harness name(s), comma-separated: mini-swe-agent, openhands, opencode, claude-code, simple; all = the "
+        "four real ones; a plug-in as package.module:Class.")})
+    samples: int = field(default=1, metadata={"help": "Trials per task and harness (a group)."})
+    concurrency: int = field(default=2, metadata={"help": "Trials at once."})
+    limit: int | None = field(default=None, metadata={"help": "Only the first N tasks (by instance id)."})
+    timeout_s: float = field(default=1800.0, metadata={"aliases": ["--timeout"], "help": (
+        "Hard wall-clock limit of one harness run, seconds (the proxy ends the episode gracefully a little "
+        "before).")})
+    max_turns: int = field(default=30, metadata={"help": "Model calls per trial."})
+    max_tokens: int | None = field(default=DEFAULT_MAX_TOKENS, metadata={"help": (
+        "Cap on one call's sampled tokens (also capped by the model's context).")})
+    temperature: float | None = field(default=1.0, metadata={"help": (
+        "Policy sampling temperature: the in-process proxy samples every call at it (top-p 1, top-k off), "
+        "whatever the harness asks; recorded on every call for the trainer.")})
+    retries: int = field(default=2, metadata={"help": "Extra attempts after an infrastructure error."})
+
+    def __post_init__(self) -> None:
+        if not self.harnesses:
+            raise ConfigError("--harness: name at least one harness")
+        for name, value in (("--samples", self.samples), ("--concurrency", self.concurrency),
+                            ("--max-turns", self.max_turns), ("--limit", self.limit), ("--max-tokens", self.max_tokens)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if self.retries < 0:
+            raise ConfigError(f"--retries must be >= 0, got {self.retries}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--timeout must be positive, got {self.timeout_s}")
+        if self.temperature is not None and not (0 <= self.temperature < float("inf")):
+            raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
 
 
 class TrialSettings(Protocol):

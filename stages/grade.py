@@ -13,7 +13,7 @@ import os
 import statistics
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from legorl import shards
@@ -114,11 +114,11 @@ def rollout_jobs(rollouts_dir: Path) -> tuple[list[Job], int]:
 
 
 def grade_stage(
-    tasks_dir: Path, out_dir: Path, jobs: list[Job], *, concurrency: int = 2, timeout: float = 600.0,
-    image: str | None = None, run_label: str | None = None, reap: bool = True,
+    tasks_dir: Path, out_dir: Path, jobs: list[Job], options: GradeOptions | None = None, *,
+    run_label: str | None = None, reap: bool = True,
     on_start: Callable[[int, int], None] | None = None, on_done: Callable[[GradeRow], None] | None = None,
 ) -> GradeSummary:
-    """Grade ``jobs`` (skipping those already graded in ``out_dir``) with ``concurrency`` workers."""
+    """Grade ``jobs`` (skipping those already graded in ``out_dir``), ``options.concurrency`` at once."""
     import time
 
     tasks = {t.instance_id: t for t in shards.read_rows(tasks_dir, Kind.TASKS)}
@@ -134,11 +134,13 @@ def grade_stage(
     summary = GradeSummary(skipped=len(jobs) - len(todo))
     if on_start:
         on_start(len(todo), summary.skipped)
-    labels = {"run": run_label} if run_label else {}
-    grader = Grader(GradeOptions(test_timeout=timeout, default_image=image, labels=labels))
+    options = options or GradeOptions()
+    if run_label:
+        options = replace(options, labels={**options.labels, "run": run_label})
+    grader = Grader(options)
     start = time.monotonic()
     with shards.ShardWriter(out_dir, Kind.GRADES, rows_per_file=1) as writer:
-        for row in _run(grader, tasks, todo, concurrency):
+        for row in _run(grader, tasks, todo, options.concurrency):
             try:
                 writer.add(row)
             except OSError as exc:  # a full or failing disk: the grades committed so far are whole

@@ -26,27 +26,18 @@ from legorl.harnesses.install import require
 from legorl.paths import RunDir
 from legorl.proxy.clients import ProxyHandle
 from legorl.schemas import Kind, TrialRow, trial_key
-from legorl.trials import SandboxFactory, TrialJob, TrialRunner, image_for
+from legorl.trials import SandboxFactory, TrialJob, TrialOptions, TrialRunner, image_for
 
 
-@dataclass
-class RolloutConfig:
-    """Options of ``legorl rollout`` (each field is a CLI option)."""
+@dataclass(kw_only=True)
+class RolloutConfig(TrialOptions):
+    """Options of ``legorl rollout``: the trials' (:class:`~legorl.trials.TrialOptions`) and the stage's."""
 
-    run: Path
-    harnesses: list[str]
-    samples: int = 1
-    concurrency: int = 1
-    limit: int | None = None  # the first N tasks (by instance id)
-    step: int = 0  # policy step the trials belong to
-    timeout_s: float = 1800.0  # hard wall-clock limit of one harness run
-    max_turns: int = 30
-    max_tokens: int | None = None  # cap on one call's completion tokens
-    temperature: float | None = 1.0
-    retries: int = 2  # extra attempts after an infrastructure error
-    backoff_s: float = 2.0
+    run: Path = field(metadata={"help": "Run directory; the stage derives its inputs and outputs from it."})
+    step: int = field(default=0, metadata={"help": "Policy step these trials belong to."})
+    backoff_s: float = 2.0  # before retry n: backoff_s * 2**(n-1)
     keep_home: bool = False  # keep each trial's private HOME (large) next to its logs
-    reap: bool = True
+    reap: bool = True  # remove containers earlier legorl processes left behind
 
 
 @dataclass
@@ -111,8 +102,6 @@ def rollout_stage(
     on_done: Callable[[TrialRow], None] | None = None,
 ) -> RolloutSummary:
     """Run every missing trial of ``cfg`` against ``proxy``, writing one row per trial."""
-    if cfg.samples < 1 or cfg.concurrency < 1 or cfg.max_turns < 1 or cfg.timeout_s <= 0:
-        raise LegorlError("--samples, --concurrency, --max-turns and --timeout must be positive")
     if cfg.reap:
         from legorl.sandbox.reaper import reap
 

@@ -117,6 +117,7 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
     from transformers import AutoTokenizer
 
     from legorl.engines.scripted import ScriptedCall, ScriptedEngine
+    from legorl.grading.grader import GradeOptions
     from legorl.proxy.clients import InProcessProxy
     from legorl.stages.grade import grade_stage, rollout_jobs
     from legorl.stages.rollout import RolloutConfig, rollout_stage
@@ -136,11 +137,11 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
 
     engine = ScriptedEngine(tok, lambda call: reply(call))
     with InProcessProxy(engine, tok) as proxy:
-        summary = rollout_stage(RolloutConfig(run=run, harnesses=["simple"], samples=2, max_turns=3,
+        summary = rollout_stage(RolloutConfig(run=run, harnesses=["simple"], samples=2, max_turns=3, concurrency=1,
                                               timeout_s=120), proxy)
     assert summary.outcomes == {"submitted": 2}
     jobs, infra = rollout_jobs(run / "rollouts")
-    grades = grade_stage(run / "tasks", run / "grades", jobs, concurrency=2, timeout=60)
+    grades = grade_stage(run / "tasks", run / "grades", jobs, GradeOptions(concurrency=2, test_timeout=60))
     rewards = sorted(g.reward for g in grades.rows if g.reward is not None)
     assert infra == 0 and rewards == [0.0, 1.0]
 

@@ -1453,7 +1453,7 @@ def test_grade_stage_survives_a_nasty_batch(base_image: str, tmp_path: Path) -> 
     jobs = [Job(f"{ct}/nasty/{name}", ct, by_id[name].build(ctx), "nasty", 0) for name in STAGE_ATTACKS]
     jobs += [Job(f"{ct}/crash/{name}", ct, patch, "crash", 0) for name, patch in CRASHERS.items()]
     jobs.append(Job(f"{pa}/gold/0", pa, tasks["pa"].patch, "gold", 0))
-    summary = grade_stage(tasks_dir, out_dir, jobs, concurrency=2, timeout=TEST_TIMEOUT, reap=False)
+    summary = grade_stage(tasks_dir, out_dir, jobs, GradeOptions(concurrency=2, test_timeout=TEST_TIMEOUT), reap=False)
     rows = {r.trial_id: r for r in summary.rows}
     assert sorted(rows) == sorted(j.trial_id for j in jobs)
     assert rows[f"{pa}/gold/0"].reward == 1.0, _describe(rows[f"{pa}/gold/0"])
@@ -1462,7 +1462,7 @@ def test_grade_stage_survives_a_nasty_batch(base_image: str, tmp_path: Path) -> 
             continue
         assert row.reward == 0.0 and row.resolved is False, f"{trial}: {_describe(row)}"
         assert row.infra_failure is False and row.status != "infra_error", f"{trial}: {_describe(row)}"
-    rerun = grade_stage(tasks_dir, out_dir, jobs, concurrency=2, timeout=TEST_TIMEOUT, reap=False)
+    rerun = grade_stage(tasks_dir, out_dir, jobs, GradeOptions(concurrency=2, test_timeout=TEST_TIMEOUT), reap=False)
     assert rerun.graded == 0 and rerun.skipped == len(jobs)
     dataset = shards.read(out_dir, Kind.GRADES)
     assert dataset.duplicates == 0 and dataset.table.num_rows == len(jobs)

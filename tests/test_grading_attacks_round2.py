@@ -510,7 +510,7 @@ def test_grade_stage_survives_rows_with_surrogates(env: Ctx) -> None:
     ct, pa = env.tasks["ct"].instance_id, env.tasks["pa"].instance_id
     jobs = [Job(f"{pa}/gold/0", pa, env.tasks["pa"].patch, "gold", 0)]
     jobs += [Job(f"{ct}/{jid}", ct, build(env), "nasty", 0) for jid, (_key, build) in UNWRITABLE.items()]
-    summary = grade_stage(tasks_dir, out_dir, jobs, concurrency=2, timeout=TEST_TIMEOUT, reap=False)
+    summary = grade_stage(tasks_dir, out_dir, jobs, GradeOptions(concurrency=2, test_timeout=TEST_TIMEOUT), reap=False)
     rows = {r.trial_id: r for r in summary.rows}
     assert sorted(rows) == sorted(j.trial_id for j in jobs)
     assert rows[f"{pa}/gold/0"].reward == 1.0

@@ -19,6 +19,7 @@ from rollout_support import import_one, scripted, solving_script, tool_call
 
 from legorl import shards
 from legorl.engines.scripted import ScriptedEngine
+from legorl.grading.grader import GradeOptions
 from legorl.proxy.clients import InProcessProxy
 from legorl.schemas import Kind, Outcome, TrialRow
 from legorl.stages.grade import grade_stage, rollout_jobs
@@ -70,7 +71,7 @@ def test_scripted_fix_is_submitted_and_grades_to_one(tiny_model: Path, base_imag
         assert row.patch and "+" in row.patch
         assert row.segments and row.calls and row.attempts == 1
     jobs, infra = rollout_jobs(run / "rollouts")
-    grades = grade_stage(run / "tasks", run / "grades", jobs, concurrency=2)
+    grades = grade_stage(run / "tasks", run / "grades", jobs, GradeOptions(concurrency=2))
     assert infra == 0
     assert {g.trial_id: g.reward for g in grades.rows} == {r.trial_id: 1.0 for r in rows}
     assert _containers(run) == []

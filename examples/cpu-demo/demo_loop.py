@@ -131,6 +131,7 @@ def run_loop(cfg: DemoConfig) -> list[StepRecord]:
     import torch
 
     from legorl.flows.online import OnlineConfig, OnlineStep, run_online
+    from legorl.grading.grader import GradeOptions
     from legorl.stages.rollout import RolloutConfig
     from legorl.training.config import TrainConfig
 
@@ -145,7 +146,7 @@ def run_loop(cfg: DemoConfig) -> list[StepRecord]:
                               temperature=cfg.temperature),
         train=TrainConfig(loss=cfg.loss, learning_rate=cfg.lr, num_iterations=cfg.num_iterations,  # type: ignore[arg-type]
                           temperature=cfg.temperature, seed=cfg.seed),
-        model=model_dir, steps=cfg.steps, grade_concurrency=cfg.grade_concurrency, grade_timeout_s=60.0,
+        model=model_dir, steps=cfg.steps, grade=GradeOptions(concurrency=cfg.grade_concurrency, test_timeout=60.0),
         engine_name="demo-policy", max_context=2048,
     )
     records: list[StepRecord] = []

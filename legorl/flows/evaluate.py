@@ -7,7 +7,7 @@ nothing is left to roll out), and the same shards give a byte-identical report.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -18,6 +18,7 @@ from legorl.paths import RunDir
 from legorl.schemas import GradeRow, Kind, TrialRow
 from legorl.stages.grade import GradeSummary, grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, RolloutSummary, plan, rollout_stage
+from legorl.trials import TrialOptions
 
 RowT = TypeVar("RowT", contravariant=True)
 
@@ -71,11 +72,9 @@ def evaluate(settings: evaluation.EvalSettings, policy: PolicySpec, *, loading: 
 def _rollout(settings: evaluation.EvalSettings, view: RunDir, policy: PolicySpec, loading: Loading | None,
              progress: StageProgress[TrialRow] | None) -> dict[str, Any]:
     """The rollout stage on RUN/eval with the eval settings; returns its summary."""
-    cfg = RolloutConfig(
-        run=view.root, harnesses=settings.harnesses, samples=settings.samples, concurrency=settings.concurrency,
-        limit=settings.limit, step=settings.step, timeout_s=settings.timeout_s, max_turns=settings.max_turns,
-        max_tokens=settings.max_tokens, temperature=settings.effective_temperature, retries=settings.retries,
-    )
+    trial_options = {f.name: getattr(settings, f.name) for f in fields(TrialOptions)}
+    cfg = RolloutConfig(**trial_options | {"run": view.root, "step": settings.step,
+                                           "temperature": settings.effective_temperature})
     jobs, skipped = plan(cfg)
     if not jobs:  # all done: no engine to load, no proxy to start
         return RolloutSummary(planned=skipped, skipped=skipped).as_dict()
@@ -96,8 +95,7 @@ def _grade(settings: evaluation.EvalSettings, view: RunDir, progress: StageProgr
         summary = GradeSummary(skipped=len(jobs))
     else:
         summary = grade_stage(
-            view.tasks, view.grades, jobs, concurrency=settings.concurrency, timeout=settings.grade_timeout_s,
-            run_label=f"{Path(settings.run).name}-eval", on_start=progress.on_start if progress else None,
+            view.tasks, view.grades, jobs, settings.grade, run_label=f"{Path(settings.run).name}-eval", on_start=progress.on_start if progress else None,
             on_done=progress.on_done if progress else None,
         )
     result = summary.as_dict()

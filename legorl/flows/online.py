@@ -17,14 +17,17 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from legorl.errors import LegorlError
 from legorl.flows.policy import PolicySpec, open_policy
+from legorl.grading.grader import GradeOptions
 from legorl.paths import RunDir
 from legorl.stages.grade import grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, rollout_stage
-from legorl.stages.train import latest_checkpoint, run_train
-from legorl.training.config import TrainConfig
+
+if TYPE_CHECKING:
+    from legorl.training.config import TrainConfig
 
 # Wraps one phase ("rollout", "grade", "train") of one step: a caller's status line, say.
 Phase = Callable[[int, str], AbstractContextManager[object]]
@@ -36,10 +39,10 @@ class OnlineConfig:
 
     rollout: RolloutConfig  # every step's rollout (``run`` is the loop's run directory; ``step`` is set per step)
     train: TrainConfig
-    model: Path  # the initial policy: the trainer's base model and the proxy's tokenizer
-    steps: int = 4  # policy steps, counting from step 0
-    grade_concurrency: int = 2
-    grade_timeout_s: float = 600.0
+    model: Path = field(metadata={"help": (
+        "Initial policy (Hugging Face folder): the trainer's base model and the proxy's tokenizer.")})
+    steps: int = field(default=4, metadata={"help": "Policy steps to run (counting from step 0)."})
+    grade: GradeOptions = field(default_factory=GradeOptions)  # how each step's trials are graded
     policy_temperature: float | None = None  # the proxy samples every call at it (None: as the harness asks)
     engine_name: str | None = None  # the model name the proxy answers with
     max_context: int | None = None
@@ -63,6 +66,8 @@ class OnlineStep:
 def run_online(cfg: OnlineConfig, *, phase: Phase | None = None,
                on_step: Callable[[OnlineStep], None] | None = None) -> list[OnlineStep]:
     """Run steps ``0 … cfg.steps - 1`` (those already done are skipped by the stages themselves)."""
+    from legorl.stages.train import latest_checkpoint, run_train  # imports TRL: only when the loop runs
+
     if cfg.steps < 1:
         raise LegorlError("--steps must be at least 1")
     run = RunDir.at(cfg.rollout.run)
@@ -82,8 +87,7 @@ def run_online(cfg: OnlineConfig, *, phase: Phase | None = None,
             t1 = time.perf_counter()
             with during(step, "grade"):
                 jobs, _ = rollout_jobs(run.rollouts)
-                graded = grade_stage(run.tasks, run.grades, [j for j in jobs if j.step == step],
-                                     concurrency=cfg.grade_concurrency, timeout=cfg.grade_timeout_s,
+                graded = grade_stage(run.tasks, run.grades, [j for j in jobs if j.step == step], cfg.grade,
                                      run_label=run.root.name)
             t2 = time.perf_counter()
             with during(step, "train"):

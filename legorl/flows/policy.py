@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from legorl.engines.watched import WatchedEngine
@@ -22,9 +22,10 @@ Loading = Callable[[Path], AbstractContextManager[object]]
 class PolicySpec:
     """Where the policy is: ``model`` (served in this process) or ``proxy_url``, exactly one."""
 
-    model: Path | None = None  # model directory for the embedded engine
-    proxy_url: str | None = None  # a running `legorl serve-proxy`
-    api_key: str | None = None  # the external proxy's API key
+    model: Path | None = field(default=None, metadata={"help": "Model directory for the embedded engine."})
+    proxy_url: str | None = field(default=None, metadata={"aliases": ["--proxy"], "help": (
+        "URL of a running `legorl serve-proxy` (instead of --model).")})
+    api_key: str | None = field(default=None, metadata={"help": "API key of the --proxy."})
     temperature: float | None = None  # in process: every call samples at it, whatever the harness asks
     tokenizer: Path | None = None  # default: the model directory's
     engine_name: str | None = None  # the model name the proxy answers with (default: the engine's)
@@ -33,6 +34,10 @@ class PolicySpec:
     def validate(self) -> None:
         if (self.model is None) == (self.proxy_url is None):
             raise LegorlError("give exactly one of --model DIR (embedded engine) or --proxy URL")
+
+
+# The fields of PolicySpec a command that runs trials takes as options.
+POLICY_FIELDS = ("model", "proxy_url", "api_key")
 
 
 @dataclass

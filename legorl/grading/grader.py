@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from legorl.errors import LegorlError
+from legorl.errors import ConfigError, LegorlError
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
 from legorl.grading.patches import split_patch, touched_paths
 from legorl.grading.report import evaluate, failed_report
@@ -66,13 +66,24 @@ class GradingInfraError(LegorlError):
 
 @dataclass
 class GradeOptions:
-    test_timeout: float = 600.0
-    default_image: str | None = None  # for tasks without an image (the base image of `legorl setup`)
+    """How grades are run (``legorl grade``, ``eval`` and ``loop`` take the documented fields as options)."""
+
+    concurrency: int = field(default=2, metadata={"help": "Grading containers at once (the grade stage's pool)."})
+    test_timeout: float = field(default=600.0, metadata={"aliases": ["--timeout"], "help": (
+        "Seconds the hidden tests may run (longer: tests_timeout, reward 0).")})
+    default_image: str | None = field(default=None, metadata={"aliases": ["--image"], "help": (
+        "Image for tasks without one (default: the sandbox base image of `legorl setup`).")})
+    memory: str = field(default="4g", metadata={"help": "Memory limit of a grading container (podman's --memory)."})
+    cpus: float | None = field(default=None, metadata={"help": "CPU limit of a grading container (podman's --cpus)."})
     labels: dict[str, str] = field(default_factory=dict)
-    memory: str = "4g"
-    cpus: float | None = None
     run_empty: bool = False  # also run the tests for an empty patch (task validation)
     suspicious_scores_zero: bool = True  # False: a suspicious pass keeps its reward (findings still recorded)
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ConfigError(f"--concurrency must be at least 1, got {self.concurrency}")
+        if not self.test_timeout > 0:
+            raise ConfigError(f"--timeout must be positive, got {self.test_timeout}")
 
 
 def hidden_test_files(test_patch: str | None) -> list[str]:
