@@ -84,7 +84,7 @@ def kill_at(proc: subprocess.Popen[str], ready: Callable[[], bool], delay_s: flo
     deadline = time.monotonic() + limit_s
     while not ready() and proc.poll() is None:
         assert time.monotonic() < deadline, "the command never reached its kill point"
-        time.sleep(0.05)
+        time.sleep(0.01)
     end = time.monotonic() + delay_s
     while time.monotonic() < end and proc.poll() is None:
         time.sleep(0.02)
@@ -112,11 +112,15 @@ def datasets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for d in report["datasets"]}
 
 
-def assert_clean(report: dict[str, Any]) -> None:
-    """Every dataset readable, no key twice, no temp file left next to the committed parts."""
+def assert_clean(report: dict[str, Any], known_duplicates: tuple[str, ...] = ()) -> None:
+    """Every dataset readable, no key twice, no temp file left next to the committed parts.
+
+    ``known_duplicates``: datasets whose duplicates are a known defect with a test of its own.
+    """
     assert report["errors"] == [], report["errors"]
     for d in report["datasets"]:
-        assert d["duplicate_keys"] == 0, (d["name"], d["duplicate_keys"])
+        if d["name"] not in known_duplicates:
+            assert d["duplicate_keys"] == 0, (d["name"], d["duplicate_keys"])
         assert d["temp_files"] == 0, (d["name"], d["temp_files"])
 
 

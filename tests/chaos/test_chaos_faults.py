@@ -336,7 +336,7 @@ def _hang(plugin: str, tasks: int, run: Path, model: Path, figures: Figures) -> 
         fig.faults_injected += tasks
         proc = start(*args, stdout=subprocess.PIPE, env={"CHAOS_MARKER": marker})
         try:  # enough for the model to load and each trial to reach its timeout
-            proc.communicate(timeout=tasks * _HANG_TIMEOUT_S + 45)
+            proc.communicate(timeout=tasks * _HANG_TIMEOUT_S + 35)
         except subprocess.TimeoutExpired:
             kill_group(proc)
         finally:

@@ -181,8 +181,30 @@ def test_train_sigkill_then_resume_matches_unkilled(tiny_model: Path, tmp_path: 
     for index, entry in want_opt.items():
         for key, tensor in entry.items():  # type: ignore[attr-defined]
             assert torch.allclose(got_opt[index][key], tensor, rtol=0, atol=1e-6), (index, key)  # type: ignore[index]
-    assert_clean(report)
-    assert datasets(report)["train/metrics"]["rows"] == datasets(inspect(ref))["train/metrics"]["rows"]
+    # a kill between the metrics and the checkpoint duplicates the step's metrics: the next test
+    assert_clean(report, known_duplicates=("train/metrics",))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "stages/train.py:172 writes the step's train/metrics before its checkpoint is committed (os.replace, "
+    "l. 190): killed in between, the resumed step writes its metrics again (13 duplicate keys; readers "
+    "keep the resumed run's rows)"))
+def test_train_killed_after_its_metrics_writes_them_once(tiny_model: Path, tmp_path: Path,
+                                                         figures: Figures) -> None:
+    run = _train_run(tiny_model, tmp_path / "run")
+    args = ["train", "--run", str(run), "--model", str(tiny_model), "--groups-per-batch", "1", "--resume", "--json"]
+    final = run / "train" / "checkpoints" / "step-0"
+    with figures.stage("train (kill after metrics)") as fig:
+        # the checkpoint's temp folder exists from after the metrics are written until it is renamed
+        landed = kill_at(start(*args), lambda: (final.parent / ".step-0.tmp").exists(), 0.0)
+        if not landed or (final / "config.json").exists():
+            pytest.skip("the kill missed the window between the metrics and the checkpoint")
+        fig.faults_injected += 1
+        fig.resumes += 1
+        legorl(*args)
+        report = inspect(run)
+        fig.duplicates += datasets(report)["train/metrics"]["duplicate_keys"]
+    assert datasets(report)["train/metrics"]["duplicate_keys"] == 0
 
 
 def _saved_update(partial: Path) -> int:
