@@ -11,26 +11,30 @@ from typing import Annotated
 import typer
 
 from legorl.cli.common import OptionalRunOption, console, fail
+from legorl.cli.options import ConfigOptions, with_configs
+from legorl.engines.config import EngineConfig
+from legorl.proxy.budgets import Budgets
+
+# The budgets `serve-proxy` applies to every session unless its creator sets its own.
+BUDGET_FIELDS = ("max_turns", "max_total_tokens", "max_context", "max_wall_s", "max_tokens_per_call")
+
+
+def _default_budgets(**values: object) -> Budgets:
+    return Budgets.from_dict(values, where="default budgets")
 
 
 def register(app: typer.Typer) -> None:
     @app.command("serve-proxy")
+    @with_configs(engine_config=ConfigOptions(EngineConfig),
+                  budgets=ConfigOptions(Budgets, only=BUDGET_FIELDS, factory=_default_budgets))
     def serve_proxy_command(
-        model: Annotated[Path, typer.Option("--model", help="Model directory (weights + tokenizer + chat template); "
-                                            "with --engine vllm only its tokenizer is read.")],
-        engine: Annotated[str, typer.Option(help="embedded (in-process transformers) or vllm (an existing server).")] = "embedded",
-        upstream: Annotated[str | None, typer.Option(help="vLLM server URL (with --engine vllm).")] = None,
+        engine_config: EngineConfig,
+        budgets: Budgets,
         host: Annotated[str, typer.Option(help="Address to bind; loopback by default.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Port (0 = a free one).")] = 8000,
         run: OptionalRunOption = None,
         api_key: Annotated[str | None, typer.Option("--api-key", envvar="LEGORL_PROXY_API_KEY",
                                                     help="Require this key (Bearer or x-api-key).")] = None,
-        max_turns: Annotated[int | None, typer.Option(help="Default budget: model calls per session.")] = None,
-        max_total_tokens: Annotated[int | None, typer.Option(help="Default budget: tokens held per session.")] = None,
-        max_context: Annotated[int | None, typer.Option(help="Default budget: prompt + completion tokens per call.")] = None,
-        max_wall: Annotated[float | None, typer.Option(help="Default budget: seconds per session.")] = None,
-        dtype: Annotated[str, typer.Option(help="Embedded engine dtype.")] = "float32",
-        device: Annotated[str | None, typer.Option(help="Embedded engine device (default: cuda if present).")] = None,
         parser: Annotated[str | None, typer.Option(help="Tool-call parser (default: from the chat template).")] = None,
         temperature: Annotated[float | None, typer.Option(
             help="Sample every call at this temperature, whatever the harness asks (the trainer's).")] = None,
@@ -44,25 +48,14 @@ def register(app: typer.Typer) -> None:
         With --run, every finished session (POST /sess/<id>/finish, or all open ones at shutdown)
         is written to RUN/proxy/ as a rollouts shard (harness "external").
         """
-        from legorl.engines import make_engine
         from legorl.errors import LegorlError
-        from legorl.proxy.budgets import Budgets
         from legorl.proxy.core import SamplingOverride
         from legorl.proxy.server import ProxyServer, load_tokenizer
 
-        if engine not in ("embedded", "vllm"):
-            fail(f"--engine must be embedded or vllm, not {engine!r}")
-        if engine == "vllm" and not upstream:
-            fail("--engine vllm needs --upstream URL of a running `vllm serve`")
         try:
-            budgets = Budgets.from_dict({"max_turns": max_turns, "max_total_tokens": max_total_tokens,
-                                         "max_context": max_context, "max_wall_s": max_wall})
-            tokenizer = load_tokenizer(model)
-            with console.status(f"loading the {engine} engine ..."):
-                if engine == "embedded":
-                    eng = make_engine("embedded", model_dir=model, dtype=dtype, device=device)
-                else:
-                    eng = make_engine("vllm", base_url=upstream, served_model_dir=model)
+            tokenizer = load_tokenizer(engine_config.model)
+            with console.status(f"loading the {engine_config.engine} engine ..."):
+                eng = engine_config.build()
             server = ProxyServer(eng, tokenizer, host=host, port=port, api_key=api_key, budgets=budgets,
                                  run_dir=run, parser=parser,
                                  sampling=(SamplingOverride.policy(temperature, top_p) if temperature is not None

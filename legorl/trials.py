@@ -125,9 +125,6 @@ def _line(exc: BaseException) -> str:
     return (text.splitlines() or [type(exc).__name__])[0][:2000]
 
 
-_BUDGET_TIMEOUT = "max_wall_time"
-
-
 class TrialRunner:
     """Runs trials: sandbox, session, harness, patch, cleanup; retries infrastructure errors."""
 
@@ -242,8 +239,6 @@ class TrialRunner:
                              budget_stop=capture.budget_stop,
                              engine_error=capture.engine_errors[-1] if capture.engine_errors else None)
             outcome, error = classify(run, view, alive, patch)
-            if capture.budget_stop == _BUDGET_TIMEOUT and outcome is Outcome.BUDGET:
-                outcome = Outcome.TIMEOUT
             if patch_error and outcome is not Outcome.INFRA_ERROR:
                 error = f"{error}; no patch: {patch_error}" if error else f"no patch: {patch_error}"
             timings.model_s = round(sum(c.latency_s or 0.0 for c in capture.calls), 3)

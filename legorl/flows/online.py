@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from legorl.errors import LegorlError
 from legorl.flows.policy import PolicySpec, open_policy
 from legorl.grading.grader import GradeOptions
-from legorl.paths import RunDir
+from legorl.paths import Checkpoints, RunDir
 from legorl.stages.grade import grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
@@ -66,7 +66,7 @@ class OnlineStep:
 def run_online(cfg: OnlineConfig, *, phase: Phase | None = None,
                on_step: Callable[[OnlineStep], None] | None = None) -> list[OnlineStep]:
     """Run steps ``0 … cfg.steps - 1`` (those already done are skipped by the stages themselves)."""
-    from legorl.stages.train import latest_checkpoint, run_train  # imports TRL: only when the loop runs
+    from legorl.stages.train import run_train  # imports TRL: only when the loop runs
 
     if cfg.steps < 1:
         raise LegorlError("--steps must be at least 1")
@@ -75,7 +75,7 @@ def run_online(cfg: OnlineConfig, *, phase: Phase | None = None,
     def during(step: int, name: str) -> AbstractContextManager[object]:
         return phase(step, name) if phase is not None else nullcontext()
 
-    policy = PolicySpec(model=latest_checkpoint(run.checkpoints) or cfg.model, tokenizer=cfg.model,
+    policy = PolicySpec(model=Checkpoints(run.checkpoints).latest() or cfg.model, tokenizer=cfg.model,
                         temperature=cfg.policy_temperature, engine_name=cfg.engine_name,
                         max_context=cfg.max_context)
     records: list[OnlineStep] = []

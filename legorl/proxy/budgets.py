@@ -8,8 +8,9 @@ context-length 400. The reason is recorded on the call (``budget_stop``) and on 
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from legorl.errors import ConfigError
@@ -27,16 +28,16 @@ CONTEXT_OVERFLOW: str = BudgetStop.CONTEXT_OVERFLOW
 class Budgets:
     """Limits of one session. ``None`` means unlimited (the context is always limited)."""
 
-    max_turns: int | None = None
-    """Model calls that generate (budget-stopped calls do not count)."""
-    max_total_tokens: int | None = None
-    """Tokens held across all of the session's segments (prompt + sampled)."""
-    max_context: int | None = None
-    """Prompt + completion tokens of one call; defaults to (and is capped by) the engine's context."""
-    max_wall_s: float | None = None
-    """Seconds since the session was created."""
-    max_tokens_per_call: int | None = None
-    """Cap on a call's completion tokens, whatever the request asks."""
+    max_turns: int | None = field(default=None, metadata={"help": (
+        "Model calls that generate, per session (budget-stopped calls do not count).")})
+    max_total_tokens: int | None = field(default=None, metadata={"help": (
+        "Tokens held across all of a session's segments (prompt + sampled).")})
+    max_context: int | None = field(default=None, metadata={"help": (
+        "Prompt + completion tokens of one call; defaults to (and is capped by) the engine's context.")})
+    max_wall_s: float | None = field(default=None, metadata={"aliases": ["--max-wall"], "help": (
+        "Seconds since the session was created.")})
+    max_tokens_per_call: int | None = field(default=None, metadata={"help": (
+        "Cap on a call's completion tokens, whatever the request asks.")})
     context_overflow: str = "reply"
     """``reply`` (default: a budget-stop reply) or ``error`` (an OpenAI/Anthropic 400)."""
 
@@ -60,7 +61,8 @@ class Budgets:
                 if value not in ("reply", "error"):
                     raise ConfigError(f"{where}.{key}: must be 'reply' or 'error'")
             elif key == "max_wall_s":
-                if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+                        or value <= 0):  # NaN compares false with everything: it would never stop
                     raise ConfigError(f"{where}.{key}: must be a positive number")
             elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{where}.{key}: must be a positive integer")

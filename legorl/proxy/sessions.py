@@ -40,7 +40,7 @@ import numpy as np
 from legorl.engines.base import Generation
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.render import ChatRenderer
-from legorl.schemas import Call, Outcome, Segment, SegmentReason, TrialRow
+from legorl.schemas import Call, Outcome, Segment, SegmentReason, TrialRow, budget_outcome
 
 Message = dict[str, Any]
 
@@ -176,14 +176,7 @@ class SessionCapture:
 
     def outcome(self) -> str:
         """The trial outcome the proxy can tell on its own (a harness adapter knows better)."""
-        from legorl.proxy import budgets as b
-
-        return {
-            b.MAX_TURNS: Outcome.MAX_TURNS,
-            b.MAX_TOTAL_TOKENS: Outcome.BUDGET,
-            b.MAX_WALL: Outcome.TIMEOUT,
-            b.CONTEXT_OVERFLOW: Outcome.CONTEXT_OVERFLOW,
-        }.get(self.budget_stop or "", Outcome.NO_SUBMISSION)
+        return budget_outcome(self.budget_stop) if self.budget_stop else Outcome.NO_SUBMISSION
 
     def to_trial_row(self, **kwargs: Any) -> TrialRow:
         """A rollouts row; ``kwargs`` override the metadata (task_id, harness, step, sample_index...)."""
