@@ -234,7 +234,7 @@ def file_info(path: Path) -> FileInfo:
     version = md.get(META_VERSION)
     return FileInfo(
         path=path,
-        kind=md[META_KIND].decode() if META_KIND in md else None,
+        kind=md[META_KIND].decode(errors="replace") if META_KIND in md else None,
         schema_version=int(version) if version is not None and version.isdigit() else None,
         command=md[META_COMMAND].decode(errors="replace") if META_COMMAND in md else None,
         rows=meta.num_rows,
@@ -246,9 +246,10 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _conform(path: Path, kind: Kind, table: pa.Table) -> pa.Table:
-    """Cast a file's table to the current schema: missing nullable columns become null."""
-    schema = SCHEMAS[kind]
+def _conform(path: Path, kind: Kind, table: pa.Table, schema: pa.Schema | None = None) -> pa.Table:
+    """Cast a file's table to the current schema (or the part of it in ``schema``): missing
+    nullable columns become null."""
+    schema = SCHEMAS[kind] if schema is None else schema
     columns = []
     for fld in schema:
         if fld.name not in table.column_names:
@@ -344,7 +345,9 @@ def read_file(path: Path, kind: Kind, columns: list[str] | None = None) -> pa.Ta
     if info.kind != str(kind):
         found = f"a legorl '{info.kind}' shard" if info.kind else "not a legorl shard (no legorl metadata)"
         raise ShardError(path, f"expected a legorl '{kind}' shard, found {found}")
-    if info.schema_version is None or info.schema_version > SCHEMA_VERSION:
+    if info.schema_version is None:
+        raise ShardError(path, "no readable legorl schema version in its metadata")
+    if info.schema_version > SCHEMA_VERSION:
         raise ShardError(
             path, f"schema version {info.schema_version} is newer than this legorl reads ({SCHEMA_VERSION}); upgrade legorl"
         )
@@ -359,7 +362,7 @@ def read_file(path: Path, kind: Kind, columns: list[str] | None = None) -> pa.Ta
             if not schema.field(name).nullable:
                 raise ShardError(path, "required column is missing", field=name)
             table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
-        return table.select(columns)
+        return _conform(path, kind, table.select(columns), pa.schema([schema.field(c) for c in columns]))
     table = _conform(path, kind, table)
     _check_rows(path, kind, table)
     return table

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ STRING_FIELDS = (
 )
 ALIASES = {"image_name": "image"}  # SWE-smith names its image column differently
 LOCAL_SUFFIXES = (".parquet", ".jsonl", ".json")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class TaskImportError(LegorlError):
@@ -57,12 +59,24 @@ class TaskImportError(LegorlError):
 # --------------------------------------------------------------------------- reading sources
 
 
+def _loads(text: str) -> Any:
+    """``json.loads``, with what it raises besides JSONDecodeError (nesting past the recursion
+    limit, integers over Python's digit limit) made one: ``ValueError``."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _read_json(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LegorlError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     if path.suffix == ".json":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
+            data = _loads(text)
+        except ValueError:
             data = None  # maybe JSON lines under a .json name, as `datasets` also accepts
         if isinstance(data, list):
             return data
@@ -76,9 +90,10 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise LegorlError(f"{path}: line {number}: not valid JSON ({exc.msg})") from exc
+            rows.append(_loads(line))
+        except ValueError as exc:
+            message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc).splitlines()[0]
+            raise LegorlError(f"{path}: line {number}: not valid JSON ({message})") from None
     return rows
 
 
@@ -88,7 +103,7 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
 
     try:
         return pq.read_table(path).to_pylist()
-    except (OSError, pa.ArrowInvalid) as exc:
+    except (OSError, pa.ArrowException) as exc:
         raise LegorlError(f"{path}: not a readable Parquet file ({exc})") from exc
 
 
@@ -194,6 +209,8 @@ def normalize(raw: Mapping[str, Any], index: int, base_dir: Path, source: object
     def err(name: str | None, message: str) -> TaskImportError:
         return TaskImportError(source, index, name, message, iid)
 
+    if _LONE_SURROGATE.search(iid):
+        raise TaskImportError(source, index, "instance_id", "holds a lone UTF-16 surrogate (not valid Unicode)")
     values: dict[str, Any] = {"instance_id": iid}
     for name in STRING_FIELDS:
         try:
@@ -205,6 +222,9 @@ def normalize(raw: Mapping[str, Any], index: int, base_dir: Path, source: object
         if isinstance(tests, str):
             raise err(name, tests)
         values[name] = tests
+    for name, value in values.items():  # JSON's \ud800 escapes can spell them; no shard can hold one
+        if any(_LONE_SURROGATE.search(v) for v in (value if isinstance(value, list) else [value]) if v):
+            raise err(name, "holds a lone UTF-16 surrogate (not valid Unicode)")
     if not values["FAIL_TO_PASS"]:
         raise err("FAIL_TO_PASS", "empty: a task needs at least one test that the fix makes pass")
     overlap = set(values["FAIL_TO_PASS"]) & set(values["PASS_TO_PASS"])
