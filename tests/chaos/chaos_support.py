@@ -100,6 +100,11 @@ def parts(folder: Path) -> int:
     return len(list(folder.glob("part-*.parquet"))) if folder.is_dir() else 0
 
 
+def has_parts(folder: Path, n: int) -> Callable[[], bool]:
+    """A kill point: ``folder`` holds at least ``n`` committed part files."""
+    return lambda: parts(folder) >= n
+
+
 # --------------------------------------------------------------------------- invariants
 
 

@@ -10,12 +10,14 @@ captured conversation is its own task's.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -25,6 +27,7 @@ from chaos_support import (
     assert_own_task,
     containers,
     datasets,
+    has_parts,
     import_tasks,
     inspect,
     kill_at,
@@ -77,8 +80,7 @@ def test_rollout_sigkill_then_rerun(tiny_model: Path, base_image: str, tmp_path:
         for _ in range(KILLS):
             before = parts(run / "rollouts")
             target = draw.randint(0, 2)
-            landed = kill_at(start(*args), lambda b=before, t=target: parts(run / "rollouts") >= b + t,
-                             draw.uniform(0.0, 2.5))
+            landed = kill_at(start(*args), has_parts(run / "rollouts", before + target), draw.uniform(0.0, 2.5))
             fig.faults_injected += landed
             fig.resumes += landed
             now = set(_keys(run / "rollouts", Kind.ROLLOUTS))
@@ -111,8 +113,7 @@ def test_grade_sigkill_then_rerun(base_image: str, tmp_path: Path, chaos_seed: i
         for _ in range(KILLS):
             before = parts(run / "grades")
             target = draw.randint(0, 3)
-            landed = kill_at(start(*args), lambda b=before, t=target: parts(run / "grades") >= b + t,
-                             draw.uniform(0.0, 1.0))
+            landed = kill_at(start(*args), has_parts(run / "grades", before + target), draw.uniform(0.0, 1.0))
             fig.faults_injected += landed
             fig.resumes += landed
         legorl(*args)
@@ -138,7 +139,7 @@ def _train_run(tiny_model: Path, root: Path) -> Path:
     return make_run(root, tiny_model, specs).root
 
 
-def _state(checkpoint: Path) -> tuple[dict[str, object], dict[str, object], int]:
+def _state(checkpoint: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], int]:
     import torch
     from safetensors.torch import load_file
 
@@ -164,7 +165,7 @@ def test_train_sigkill_then_resume_matches_unkilled(tiny_model: Path, tmp_path: 
             # after the n-th of 4 saved updates (4: while the step's checkpoint is being written)
             target = draw.randint(1, 4)
             landed = kill_at(start("train", "--run", str(run), "--resume", *args),
-                             lambda t=target: _saved_update(partial) >= t, draw.uniform(0.0, 0.8))
+                             functools.partial(_saved_update_reaches, partial, target), draw.uniform(0.0, 0.8))
             fig.faults_injected += landed
             fig.resumes += landed
         result = json.loads(legorl("train", "--run", str(run), "--resume", *args).stdout)
@@ -177,10 +178,10 @@ def test_train_sigkill_then_resume_matches_unkilled(tiny_model: Path, tmp_path: 
     got_w, got_opt, got_step = _state(final)
     assert got_step == want_step == 4
     for name, tensor in want_w.items():
-        assert torch.allclose(got_w[name], tensor, rtol=0, atol=1e-6), name  # type: ignore[arg-type]
+        assert torch.allclose(got_w[name], tensor, rtol=0, atol=1e-6), name
     for index, entry in want_opt.items():
-        for key, tensor in entry.items():  # type: ignore[attr-defined]
-            assert torch.allclose(got_opt[index][key], tensor, rtol=0, atol=1e-6), (index, key)  # type: ignore[index]
+        for key, value in entry.items():
+            assert torch.allclose(got_opt[index][key], value, rtol=0, atol=1e-6), (index, key)
     # a kill between the metrics and the checkpoint duplicates the step's metrics: the next test
     assert_clean(report, known_duplicates=("train/metrics",))
 
@@ -207,10 +208,10 @@ def test_train_killed_after_its_metrics_writes_them_once(tiny_model: Path, tmp_p
     assert datasets(report)["train/metrics"]["duplicate_keys"] == 0
 
 
-def _saved_update(partial: Path) -> int:
-    """The newest update TRL has saved under ``step-S.partial`` (0: none yet)."""
+def _saved_update_reaches(partial: Path, update: int) -> bool:
+    """Whether TRL has saved update ``update`` (or a later one) under ``step-S.partial``."""
     numbers = [int(p.name.rsplit("-", 1)[1]) for p in partial.glob("checkpoint-*")]
-    return max(numbers, default=0)
+    return max(numbers, default=0) >= update
 
 
 # --------------------------------------------------------------------------- loop
@@ -231,7 +232,7 @@ def test_loop_sigkill_then_rerun(tiny_model: Path, base_image: str, tmp_path: Pa
         for _ in range(KILLS):
             # a point anywhere in the ~25 s of two steps: by rows written, then a random delay
             target = draw.randint(0, len(expected) - 1)
-            landed = kill_at(start(*args), lambda t=target: parts(run / "rollouts") >= t, draw.uniform(0.0, 6.0))
+            landed = kill_at(start(*args), has_parts(run / "rollouts", target), draw.uniform(0.0, 6.0))
             fig.faults_injected += landed
             fig.resumes += landed
         legorl(*args)
@@ -273,6 +274,9 @@ class _Client:
             self.finished.append(sid)
         return sid
 
+    def finished_at_least(self, n: int) -> bool:
+        return len(self.finished) >= n
+
     def until_error(self) -> None:
         try:
             while True:
@@ -311,7 +315,7 @@ def test_serve_proxy_sigkill_keeps_finished_sessions_once(tiny_model: Path, tmp_
             worker = threading.Thread(target=client.until_error, daemon=True)
             worker.start()
             target = draw.randint(1, 6)
-            kill_at(proc, lambda c=client, t=target: len(c.finished) >= t, draw.uniform(0.0, 0.5))
+            kill_at(proc, functools.partial(client.finished_at_least, target), draw.uniform(0.0, 0.5))
             fig.faults_injected += 1
             fig.resumes += 1
             worker.join(timeout=60)
