@@ -349,6 +349,10 @@ def _hang(plugin: str, tasks: int, run: Path, model: Path, figures: Figures) -> 
         leaked = containers(run.name)
         fig.containers_leaked += len(leaked)
         fig.notes.append(f"{len(survivors)} host process(es) of the hung harness outlived the stage")
+        if leaked:  # a stage we had to kill leaves its trial's container to the reaper: run it now
+            from legorl.sandbox.reaper import reap
+
+            reap()
     return Hang(proc.returncode == 0, stderr_of(proc), rows, leaked, survivors)
 
 
