@@ -8,12 +8,8 @@ own parameters and its own seeded generator, and streams the token back to the r
 loop. Finished rows leave the batch at once and new ones join between steps, so a long generation
 never holds up a new request (continuous batching).
 
-Logprobs are those of the distribution actually sampled from: :func:`process_logits` applies
-temperature, then top-k, then top-p (the order of vLLM and transformers) and returns the
-log-softmax of what is left; the sampled token's entry is recorded. With ``temperature == 0`` the
-token is the argmax and its logprob is taken from the same processing at temperature 1 (top-k /
-top-p still applied) — a point mass would record 0.0 for every token and tell a trainer nothing.
-A trainer reproduces the numbers with a full forward pass and the same :func:`process_logits`.
+Sampling (what the logprobs mean, how a trainer reproduces them) is in :mod:`.sampling`; the
+batch and its requests are in :mod:`.batching`.
 
 The engine stops a sequence after the model's EOS ids (from ``generation_config``; vLLM does the
 same unless told ``ignore_eos``) or any of ``stop_token_ids``; the stop token is kept.
@@ -39,116 +35,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from legorl.engines.base import (
-    MIN_TEMPERATURE,
-    Generation,
-    PromptTooLong,
-    RequestRejected,
-    SamplingParams,
-    TokenChunk,
-)
+from legorl.engines.base import Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
+from legorl.engines.batching import Request, RunningBatch, deliver
+from legorl.engines.sampling import process_logits, sample_rows, validate_params
 from legorl.errors import ConfigError, LegorlError
 from legorl.routing import capture_routing, routing_shape
 
+__all__ = ["EmbeddedEngine", "EngineStats", "measure_throughput", "process_logits"]
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
-
-
-def process_logits(
-    logits: torch.Tensor,
-    temperature: float | torch.Tensor = 1.0,
-    top_k: int | torch.Tensor = 0,
-    top_p: float | torch.Tensor = 1.0,
-) -> torch.Tensor:
-    """Log-probabilities ``[N, V]`` (float32) of the sampling distribution for logits ``[N, V]``.
-
-    Temperature (0 counts as 1, see the module docstring), then top-k (ties with the k-th value are
-    kept), then top-p (the smallest prefix of the sorted distribution whose mass reaches ``top_p``;
-    the most likely token is always kept). Removed tokens get ``-inf``. Each of the parameters may be
-    a scalar or a per-row tensor ``[N]``.
-    """
-    x = logits.float()
-    n, v = x.shape
-    dev = x.device
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=dev).reshape(-1, 1).expand(n, 1)
-    t = torch.where(t > 0, t, torch.ones_like(t))
-    x = x / t
-    k = torch.as_tensor(top_k, dtype=torch.long, device=dev).reshape(-1).expand(n)
-    p = torch.as_tensor(top_p, dtype=torch.float32, device=dev).reshape(-1).expand(n)
-    use_k = (k > 0) & (k < v)
-    use_p = p < 1.0
-    if bool(use_k.any()) or bool(use_p.any()):
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        if bool(use_k.any()):
-            kth = sorted_x.gather(1, (k.clamp(1, v) - 1).reshape(-1, 1))
-            drop_k = use_k.reshape(-1, 1) & (x < kth)
-            x = x.masked_fill(drop_k, float("-inf"))
-            sorted_x = sorted_x.masked_fill(use_k.reshape(-1, 1) & (sorted_x < kth), float("-inf"))
-        if bool(use_p.any()):
-            probs = torch.softmax(sorted_x, dim=-1)
-            before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-            drop_sorted = use_p.reshape(-1, 1) & (before > p.reshape(-1, 1))
-            drop_sorted[:, 0] = False
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-            x = x.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(x, dim=-1)
-
-
-def _params_tensors(rows: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
-    return (
-        torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device),
-        torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
-        torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
-    )
-
-
-def validate_params(params: SamplingParams) -> None:
-    if params.max_tokens < 1:
-        raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}")
-    if not (params.temperature == 0 or MIN_TEMPERATURE <= params.temperature < math.inf):
-        raise RequestRejected(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise RequestRejected(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise RequestRejected(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-
-
-@dataclass
-class _Request:
-    prompt: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue[TokenChunk | BaseException]
-    generator: torch.Generator
-    max_new: int
-    stop: frozenset[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    routing: list[np.ndarray] = field(default_factory=list)
-    routing_sent: int = 0  # entries of ``routing`` already streamed
-    cancelled: bool = False
-
-    def emit(self, item: TokenChunk | BaseException) -> None:
-        _deliver([(self, item)])
-
-
-def _deliver(items: list[tuple[_Request, TokenChunk | BaseException]]) -> None:
-    """Hand items to their requests' event loops: one wake-up per loop, not one per item (a
-    cross-thread wake-up costs a GIL hand-off, which adds up at one token per request per step)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, TokenChunk | BaseException]]] = {}
-    for req, item in items:
-        by_loop.setdefault(req.loop, []).append((req, item))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:  # the requests' event loop is gone
-            for req, _ in batch:
-                req.cancelled = True
-
-
-def _put_all(batch: list[tuple[_Request, TokenChunk | BaseException]]) -> None:
-    for req, item in batch:
-        req.out.put_nowait(item)
 
 
 @dataclass
@@ -201,7 +97,7 @@ class EmbeddedEngine:
         if getattr(cfg, "use_sliding_window", False):
             self.max_batch = 1  # sliding-window caches cannot be left-padded and merged
         self.stats = EngineStats()
-        self._inbox: queue.Queue[_Request | tuple[str, Path, Future[None]] | None] = queue.Queue()
+        self._inbox: queue.Queue[Request | tuple[str, Path, Future[None]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -255,7 +151,7 @@ class EmbeddedEngine:
         model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         return model.to(self.device).eval()
 
-    def _submit(self, prompt: list[int], params: SamplingParams) -> _Request:
+    def _submit(self, prompt: list[int], params: SamplingParams) -> Request:
         if self._closed:
             raise LegorlError("engine is closed")
         validate_params(params)
@@ -268,7 +164,7 @@ class EmbeddedEngine:
             raise RequestRejected(f"prompt holds token ids outside [0, {vocab})")
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        req = _Request(
+        req = Request(
             prompt=prompt,
             params=params,
             loop=asyncio.get_running_loop(),
@@ -292,8 +188,8 @@ class EmbeddedEngine:
     def _run(self) -> None:
         """The worker loop. ``pending`` is FIFO: a weight load waits for every request queued before
         it to finish (on the old weights) and holds every request queued after it."""
-        batch = _Batch()
-        pending: collections.deque[_Request | tuple[str, Path, Future[None]]] = collections.deque()
+        batch = RunningBatch()
+        pending: collections.deque[Request | tuple[str, Path, Future[None]]] = collections.deque()
         with torch.inference_mode():
             while True:
                 # Collect new work: block only when there is nothing to do.
@@ -336,7 +232,7 @@ class EmbeddedEngine:
         except Exception as e:  # keep serving the old weights
             fut.set_exception(e if isinstance(e, LegorlError) else LegorlError(f"{path}: {e}"))
 
-    def _shutdown(self, batch: _Batch, pending: collections.deque[_Request | tuple[str, Path, Future[None]]]) -> None:
+    def _shutdown(self, batch: RunningBatch, pending: collections.deque[Request | tuple[str, Path, Future[None]]]) -> None:
         err = LegorlError("engine closed")
         self._fail_all(batch.rows, err)
         for it in pending:
@@ -346,7 +242,7 @@ class EmbeddedEngine:
                 it.emit(err)
 
     @staticmethod
-    def _fail_all(reqs: list[_Request], err: BaseException) -> None:
+    def _fail_all(reqs: list[Request], err: BaseException) -> None:
         for r in reqs:
             r.emit(err)
 
@@ -358,7 +254,7 @@ class EmbeddedEngine:
         new_cache = out.cache if hasattr(out, "cache") else out.past_key_values
         return out.logits[:, -1, :], new_cache, routing
 
-    def _prefill(self, req: _Request, batch: _Batch) -> None:
+    def _prefill(self, req: Request, batch: RunningBatch) -> None:
         from transformers import DynamicCache
 
         ids = torch.tensor([req.prompt], device=self.device)
@@ -367,12 +263,12 @@ class EmbeddedEngine:
         if routing is not None:
             req.routing.append(routing)
         tok, lp = self._sample(logits, [req])
-        out: list[tuple[_Request, TokenChunk | BaseException]] = []
+        out: list[tuple[Request, TokenChunk | BaseException]] = []
         if not self._accept(req, tok[0], lp[0], out):
             batch.add(req, cache, len(req.prompt), tok[0])
-        _deliver(out)
+        deliver(out)
 
-    def _decode_step(self, batch: _Batch) -> None:
+    def _decode_step(self, batch: RunningBatch) -> None:
         batch.drop([i for i, r in enumerate(batch.rows) if r.cancelled])
         if not batch.rows:
             return
@@ -392,30 +288,20 @@ class EmbeddedEngine:
                 r.routing.append(routing[i : i + 1])
         toks, lps = self._sample(logits, batch.rows)
         done = []
-        out: list[tuple[_Request, TokenChunk | BaseException]] = []
+        out: list[tuple[Request, TokenChunk | BaseException]] = []
         for i, r in enumerate(batch.rows):
             batch.pos[i] += 1
             batch.next_ids[i] = toks[i]
             if self._accept(r, toks[i], lps[i], out):
                 done.append(i)
-        _deliver(out)
+        deliver(out)
         batch.drop(done)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[list[int], list[float]]:
-        temp, top_k, top_p = _params_tensors([r.params for r in reqs], logits.device)
-        logp = process_logits(logits, temp, top_k, top_p)
-        # Gumbel-max (argmax of logp - log Exp(1)) with per-request noise: the draw is an exact
-        # sample of softmax(logp), and unlike an inverse-CDF draw it only changes under float noise
-        # (batched vs alone: ~1e-6) when the two best perturbed scores nearly tie.
-        v = logp.shape[1]
-        noise = torch.stack([torch.empty(v).exponential_(generator=r.generator) for r in reqs]).to(logp.device)
-        sampled = (logp - noise.log()).argmax(dim=-1)
-        greedy = logp.argmax(dim=-1)
-        tok = torch.where(temp > 0, sampled, greedy)
-        picked = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
-        return tok.tolist(), picked.tolist()
+    @staticmethod
+    def _sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
+        return sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs])
 
-    def _accept(self, req: _Request, tok: int, lp: float, out: list[tuple[_Request, TokenChunk | BaseException]]) -> bool:
+    def _accept(self, req: Request, tok: int, lp: float, out: list[tuple[Request, TokenChunk | BaseException]]) -> bool:
         """Record one sampled token and queue its chunk in ``out``; True when the sequence is finished."""
         if not math.isfinite(lp):  # never hand out a logprob a trainer cannot use: fail the request
             out.append((req, LegorlError(f"engine sampled token {tok} with a non-finite logprob ({lp})")))
@@ -439,7 +325,7 @@ class EmbeddedEngine:
         out.append((req, TokenChunk(token_ids=[tok], logprobs=[lp], final=final, routed_experts=rows)))
         return finished
 
-    def _routing(self, req: _Request) -> np.ndarray | None:
+    def _routing(self, req: Request) -> np.ndarray | None:
         """``[prompt + generated, layers, k]``; the last sampled token was never fed forward, so its
         row is -1 (replay leaves it to the router; its logits predict nothing inside the sequence)."""
         if self.routing_shape is None:
@@ -449,75 +335,6 @@ class EmbeddedEngine:
         out = np.concatenate([*req.routing, tail], axis=0)
         assert out.shape[0] == len(req.prompt) + len(req.tokens)
         return out
-
-
-class _Batch:
-    """The running batch: per-row requests + one left-padded KV cache ``[B, heads, S, dim]`` per layer."""
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.rows: list[_Request] = []
-        self.cache: Any = None
-        self.mask: torch.Tensor | None = None  # [B, S] 1 = real cached token
-        self.pos: list[int] = []  # next position id per row (= real tokens in cache)
-        self.next_ids: list[int] = []  # token to feed next per row
-
-    def add(self, req: _Request, cache: Any, length: int, next_id: int) -> None:
-        dev = cache.layers[0].keys.device
-        new_mask = torch.ones((1, length), dtype=torch.long, device=dev)
-        if not self.rows:
-            self.cache, self.mask = cache, new_mask
-        else:
-            assert self.mask is not None
-            s = max(self.mask.shape[1], length)
-            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-                mine.keys = torch.cat([_lpad(mine.keys, s), _lpad(theirs.keys, s)], 0)
-                mine.values = torch.cat([_lpad(mine.values, s), _lpad(theirs.values, s)], 0)
-            self.mask = torch.cat([_lpad(self.mask, s, dim=1), _lpad(new_mask, s, dim=1)], 0)
-        self.rows.append(req)
-        self.pos.append(length)
-        self.next_ids.append(next_id)
-
-    def drop(self, indices: list[int]) -> None:
-        if not indices:
-            return
-        gone = set(indices)
-        keep = [i for i in range(len(self.rows)) if i not in gone]
-        if not keep:
-            self.clear()
-            return
-        assert self.mask is not None
-        idx = torch.tensor(keep, device=self.mask.device)
-        mask = self.mask.index_select(0, idx)
-        # Trim columns that are padding for every remaining row.
-        real = mask.any(0).nonzero()
-        start = int(real[0]) if real.numel() else 0
-        self.mask = mask[:, start:]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, idx)[:, :, start:]
-            layer.values = layer.values.index_select(0, idx)[:, :, start:]
-        self.rows = [self.rows[i] for i in keep]
-        self.pos = [self.pos[i] for i in keep]
-        self.next_ids = [self.next_ids[i] for i in keep]
-
-    def step_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert self.mask is not None
-        ids = torch.tensor(self.next_ids, device=device).unsqueeze(1)
-        mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=self.mask.dtype, device=device)], 1)
-        pos = torch.tensor(self.pos, device=device).unsqueeze(1)
-        return ids, mask, pos
-
-
-def _lpad(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
-    """Left-pad ``t`` with zeros along ``dim`` to ``length``."""
-    missing = length - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim)
 
 
 def measure_throughput(engine: EmbeddedEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
