@@ -13,7 +13,7 @@ layers with a router, in model order), the shape vLLM returns with ``--enable-re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -74,15 +74,20 @@ def capture_routing(model: nn.Module) -> Iterator[RoutingCapture]:
     """
     routers = moe_routers(model)
     cap = RoutingCapture(len(routers))
-    handles = []
-    for i, router in enumerate(routers):
 
-        def hook(_m: nn.Module, _inp: Any, out: Any, i: int = i) -> None:
-            cap._record(i, out[2])
+    def hook_for(i: int, _router: nn.Module) -> Callable[..., None]:
+        return lambda _m, _inp, out: cap._record(i, out[2])
 
-        handles.append(router.register_forward_hook(hook))
-    try:
+    with _router_hooks(routers, hook_for):
         yield cap
+
+
+@contextmanager
+def _router_hooks(routers: list[nn.Module], hook_for: Callable[[int, nn.Module], Callable[..., Any]]) -> Iterator[None]:
+    """Register ``hook_for(layer, router)`` as each router's forward hook while the context is open."""
+    handles = [router.register_forward_hook(hook_for(i, router)) for i, router in enumerate(routers)]
+    try:
+        yield
     finally:
         for h in handles:
             h.remove()
@@ -160,19 +165,13 @@ def replay_routing(model: nn.Module, routed_experts: torch.Tensor | np.ndarray |
     replay = RoutingReplay(len(routers), int(routers[0].top_k))  # type: ignore[arg-type]
     if routed_experts is not None:
         replay.set(routed_experts)
-    handles = []
-    for i, router in enumerate(routers):
+
+    def hook_for(i: int, router: nn.Module) -> Callable[..., Any]:
         renorm = _renormalises(router, model)
+        return lambda m, _inp, out: replay._apply(i, m, renorm, out)
 
-        def hook(m: nn.Module, _inp: Any, out: Any, i: int = i, renorm: bool = renorm) -> Any:
-            return replay._apply(i, m, renorm, out)
-
-        handles.append(router.register_forward_hook(hook))
-    try:
+    with _router_hooks(routers, hook_for):
         yield replay
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def count_flips(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
