@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from legorl.errors import LegorlError
-from legorl.tasks.builder import describe, problem_statement, remove_tests
+from legorl.tasks.drafting import problem_statement
+from legorl.tasks.hiding import remove_tests
+from legorl.tasks.library import describe
 from legorl.tasks.mutate import find_mutations, sample
 
 SOURCE = textwrap.dedent(
