@@ -17,51 +17,33 @@ changes prints. So the grader
   patch went in — a crash, a usage error, a killed runner, no report — is the patch's doing:
   ``tests_errored``, reward 0.
 
-The container's script and event protocol are in :mod:`.script`. Whatever a patch holds, ``grade``
-returns a row: one bad patch never stops a stage.
+The container's script and event protocol are in :mod:`.script`, its run in :mod:`.container`.
+Whatever a patch holds, ``grade`` returns a row: one bad patch never stops a stage.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import shlex
 import subprocess
-import tarfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from legorl.errors import ConfigError, LegorlError
+from legorl.grading.container import GradingContainers, GradingInfraError
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
-from legorl.grading.patches import split_patch, touched_paths
 from legorl.grading.report import evaluate, failed_report
-from legorl.grading.script import (
-    APPLY_METHODS,
-    APPLY_TIMEOUT_S,
-    SANDBOXED_DIGEST,
-    bundle,
-    grade_files,
-    parse_pytest_command,
-    read_events,
-)
+from legorl.grading.script import SANDBOXED_DIGEST
 from legorl.paths import cache_dir
-from legorl.sandbox.base import MAX_PATCH_BYTES, ExecResult, Sandbox, SandboxSpec
+from legorl.sandbox.base import MAX_PATCH_BYTES, Sandbox, SandboxSpec
 from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
 
 GRADER_VERSION = "2"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
-DEFAULT_PYTEST = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
 MAX_LOG_CHARS = 200_000
-INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
 CONTROL_TTL_S = 600.0  # a control run that graded normally vouches for its task this long
-_UNPACK = "tar -x -i --no-same-owner -C / -f - && exec bash /tmp/.legorl-grade/script.sh"
-
-
-class GradingInfraError(LegorlError):
-    """Grading itself failed (not the patch): the grade is infra_error and is retried on rerun."""
 
 
 @dataclass
@@ -86,93 +68,11 @@ class GradeOptions:
             raise ConfigError(f"--timeout must be positive, got {self.test_timeout}")
 
 
-def hidden_test_files(test_patch: str | None) -> list[str]:
-    """The test files the default command runs: the Python files ``test_patch`` leaves in place."""
-    return [fp.new_path for fp in split_patch(test_patch or "") if fp.new_path and fp.new_path.endswith(".py")]
-
-
-@dataclass
-class Run:
-    """One grading container's run, read back through its event lines."""
-
-    result: ExecResult
-    events: dict[str, str]
-    test_output: str
-    report: dict[str, object] | None
-    judged: dict[str, object] | None
-    mode: str  # "runner" (the report counts) or "shell" (a custom command: its pytest log counts)
-
-    def failure(self, report_nonce: str) -> str | None:
-        """Why the test run did not produce trustworthy results (None: it did)."""
-        ev = self.events
-        if "applied" not in ev:  # the container died while the patch was being applied
-            return (f"the grading script stopped while applying the patch (exit {self.result.exit_code}"
-                    f"{', timed out' if self.result.timed_out else ''})")
-        if "judge_failed" in ev:
-            return f"the patched tree could not be judged: {ev['judge_failed']}"
-        if "test_patch_failed" in ev:
-            return "the hidden tests could not be put in place on the patched tree"
-        if "tests_end" not in ev:
-            return (f"the grading script stopped during the tests (exit {self.result.exit_code}"
-                    f"{', timed out' if self.result.timed_out else ''})")
-        code = _int(ev["tests_end"])
-        if code in (124, 137):
-            return None  # a timeout is judged on its own
-        if self.mode == "shell":
-            return None if "test session starts" in self.test_output else f"no pytest session (exit {code})"
-        if self.report is None:
-            return f"the test runner wrote no report (exit {code})"
-        if self.report.get("nonce") != report_nonce:
-            return "the test report does not carry this grade's nonce"
-        tampered = self.report.get("tampered")
-        if tampered:
-            return f"the code under test rewired the test runner ({', '.join(map(str, tampered))[:300]})"  # type: ignore[call-overload]
-        if self.report.get("exitstatus") != code:
-            return f"the test process exited {code} but pytest's session ended with {self.report.get('exitstatus')}"
-        if code not in (0, 1, 2):  # 2: collection errors; 3 internal error, 4 usage error, 5 no tests
-            return f"pytest could not run the tests (exit {code})"
-        return None
-
-    def statuses(self, parse: Callable[[str], TestStatuses]) -> TestStatuses:
-        if self.mode == "shell":
-            return parse(self.test_output)
-        raw = (self.report or {}).get("statuses") or {}
-        return TestStatuses.from_map({str(k): str(v) for k, v in dict(raw).items()})  # type: ignore[call-overload]
-
-
-def _int(text: str) -> int | None:
-    try:
-        return int(text.split()[0])
-    except (ValueError, IndexError):
-        return None
-
-
 def _trim(log: str) -> str:
     if len(log) <= MAX_LOG_CHARS:
         return log
     half = MAX_LOG_CHARS // 2
     return log[:half] + f"\n... [{len(log) - MAX_LOG_CHARS} characters cut] ...\n" + log[-half:]
-
-
-def _json(text: str) -> dict[str, object] | None:
-    """A JSON object from the container, every string made writable (a lone surrogate — a file name
-    that is not UTF-8, say — becomes a backslash escape)."""
-    try:
-        data = json.loads(text) if text else None
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    clean = _writable(data) if isinstance(data, dict) else None
-    return clean if isinstance(clean, dict) else None
-
-
-def _writable(value: object) -> object:
-    if isinstance(value, str):
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
-    if isinstance(value, dict):
-        return {_writable(k): _writable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_writable(v) for v in value]
-    return value
 
 
 class Grader:
@@ -188,22 +88,10 @@ class Grader:
             from legorl.sandbox.podman import PodmanBackend
 
             create = PodmanBackend().create
-        self._create = create
-        self._run_once: Callable[..., ExecResult] | None = getattr(getattr(create, "__self__", None), "run_once", None)
+        self.containers = GradingContainers(self.options, create)
         self._lock = threading.Lock()
-        self._tars: dict[tuple[str, str], bytes] = {}
-        self._heads: dict[tuple[str, str], frozenset[str]] = {}
         self._references: dict[str, TestStatuses] = {}
         self._controls: dict[str, tuple[float, str]] = {}
-
-    def image_for(self, task: TaskRow) -> str:
-        if task.image:
-            return task.image
-        if self.options.default_image:
-            return self.options.default_image
-        from legorl.sandbox.host import base_image
-
-        return base_image()
 
     # ------------------------------------------------------------------ the verdict
 
@@ -257,13 +145,13 @@ class Grader:
             self._zero(out, GradeStatus.EMPTY_PATCH, "empty patch: nothing to grade", task)
             return
         reference = self.reference(task)
-        run, report_nonce = self._execute(task, text)
+        run, report_nonce = self.containers.run(task, text)
         out.log = run.result.output
         if "apply_failed" in run.events:
             self._zero(out, GradeStatus.PATCH_APPLY_FAILED, "the patch did not apply by any method", task)
             return
         if "ready" not in run.events:
-            raise GradingInfraError(_before_patch_error(run))
+            raise GradingInfraError(run.before_patch_error())
         out.apply_method = next((line[len(">>>>> Applied Patch ("):-1] for line in run.result.output.splitlines()
                                  if line.startswith(">>>>> Applied Patch (")), None)
         if run.judged is not None:
@@ -282,7 +170,7 @@ class Grader:
         statuses = run.statuses(get_parser(task.log_parser))
         report = evaluate(statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS, reference)
         out.tests = report.tests
-        code = _int(run.events["tests_end"])
+        code = run.tests_exit_code
         if code in (124, 137):
             self._zero(out, GradeStatus.TEST_TIMEOUT, f"the tests ran past {self.options.test_timeout:g} s", task)
             out.tests = report.tests
@@ -334,11 +222,11 @@ class Grader:
 
     def statuses_for(self, task: TaskRow, patch: str, what: str = "patch") -> dict[str, str]:
         """Every test's status with ``patch`` applied; GradingInfraError unless the run is clean."""
-        run, nonce = self._execute(task, patch)
+        run, nonce = self.containers.run(task, patch)
         if "applied" not in run.events:
             if "apply_failed" in run.events:
                 raise GradingInfraError(f"task {task.instance_id}: its {what} does not apply")
-            raise GradingInfraError(_before_patch_error(run))
+            raise GradingInfraError(run.before_patch_error())
         failure = run.failure(nonce)
         if failure is not None:
             raise GradingInfraError(f"task {task.instance_id}: its {what} does not grade cleanly: {failure}")
@@ -352,8 +240,8 @@ class Grader:
         if seen is not None and time.monotonic() - seen[0] < CONTROL_TTL_S and not seen[1]:
             return None
         try:
-            run, nonce = self._execute(task, task.patch or "")
-            problem = run.failure(nonce) if "ready" in run.events else _before_patch_error(run)
+            run, nonce = self.containers.run(task, task.patch or "")
+            problem = run.failure(nonce) if "ready" in run.events else run.before_patch_error()
         except Exception as exc:  # the control's failure, whatever it is, is the evidence
             problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         with self._lock:
@@ -362,102 +250,10 @@ class Grader:
 
     def _task_key(self, task: TaskRow) -> str:
         parts = [GRADER_VERSION, SANDBOXED_DIGEST, task.instance_id, task.repo_source or "", task.repo_ref or "", task.base_commit or "",
-                 task.patch or "", task.test_patch or "", task.test_command or "", self.image_for(task)]
+                 task.patch or "", task.test_patch or "", task.test_command or "", self.containers.image_for(task)]
         return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()
 
     # ------------------------------------------------------------------ one container
-
-    def command_for(self, task: TaskRow) -> str:
-        files = hidden_test_files(task.test_patch)
-        command = task.test_command or DEFAULT_PYTEST
-        if not task.test_command and task.repo_source and "src" in {p.split("/", 1)[0] for p in self._head(task)
-                                                                    if "/" in p}:
-            command = "PYTHONPATH=src " + command  # a src layout is importable without installing it
-        if "{test_files}" in command:
-            if not files:
-                raise GradingInfraError(f"task {task.instance_id}: test_patch touches no Python test file to run")
-            command = command.replace("{test_files}", " ".join(shlex.quote(f) for f in files))
-        return command
-
-    def _execute(self, task: TaskRow, patch: str) -> tuple[Run, str]:
-        command = self.command_for(task)
-        files, nonce, report_nonce = grade_files(patch=patch, test_patch=task.test_patch or "",
-                                                 hidden=touched_paths(task.test_patch), command=command,
-                                                 timeout=self.options.test_timeout, gold=touched_paths(task.patch))
-        own_testbed = bool(task.repo_source)
-        spec = SandboxSpec(
-            image=self.image_for(task), labels={"role": "grade", **self.options.labels},
-            network=False, memory=self.options.memory, cpus=self.options.cpus,
-            deadline_s=self.options.test_timeout + 2 * INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5),
-            read_only=own_testbed,
-            tmpfs=((("/testbed", "size=2g,mode=755"),) if own_testbed else ()) + (("/tmp", "size=2g,mode=1777"),),
-        )
-        stdin = (self._testbed_tar(task) if own_testbed else b"") + bundle(files)
-        timeout = self.options.test_timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
-        if self._run_once is not None:
-            res = self._run_once(spec, ["sh", "-c", _UNPACK], stdin=stdin, timeout=timeout)
-        else:
-            box = self._create(spec)
-            try:
-                res = box.exec(["sh", "-c", _UNPACK], timeout=timeout, stdin=stdin)  # type: ignore[call-arg]
-            finally:
-                box.remove()
-        events = read_events(res.output, nonce)
-        mode = events.data("tests_start") or ("runner" if parse_pytest_command(command) else "shell")
-        if "judge_failed" in events:  # the judge's own last words (stderr), for the row
-            last = events.decoded("judge_failed").strip().splitlines()
-            events.seen["judge_failed"] = last[-1][:300] if last else "the judge crashed"
-        run = Run(res, events.seen, events.test_output, _json(events.decoded("report")), _json(events.decoded("judged")),
-                  mode)
-        return run, report_nonce
-
-    def _head(self, task: TaskRow) -> frozenset[str]:
-        """The files of the task's testbed commit (listed once per task from the host's copy)."""
-        from legorl.sandbox.testbed import prepare_repo
-
-        key = (task.repo_source or "", task.repo_ref or task.base_commit or "")
-        with self._lock:
-            files = self._heads.get(key)
-        if files is None:
-            repo, _commit = prepare_repo(key[0], key[1])
-            proc = subprocess.run(["git", "ls-tree", "-r", "-z", "--name-only", "HEAD"], cwd=repo, capture_output=True)
-            if proc.returncode != 0:
-                raise GradingInfraError(f"cannot list the testbed of {task.instance_id}: "
-                                        f"{proc.stderr.decode(errors='replace').strip()[-200:]}")
-            files = frozenset(p for p in proc.stdout.decode(errors="surrogateescape").split("\0") if p)
-            with self._lock:
-                self._heads[key] = files
-        return files
-
-    def _testbed_tar(self, task: TaskRow) -> bytes:
-        """``testbed/...`` as an uncompressed tar of the one-commit repository (cached per task)."""
-        from legorl.sandbox.testbed import prepare_repo
-
-        key = (task.repo_source or "", task.repo_ref or task.base_commit or "")
-        with self._lock:
-            cached = self._tars.get(key)
-        if cached is not None:
-            return cached
-        repo, _commit = prepare_repo(*key)
-        # kept next to the (immutable) testbed, so a new grading process reads it instead of walking the tree
-        path = repo.with_name(repo.name + ".grade-v1.tar")
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            buf = io.BytesIO()
-            with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                tar.add(repo, arcname="testbed", filter=lambda info: None if info.name.endswith(
-                    "/.git/legorl-testbed") else info)
-            data = buf.getvalue()
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        with self._lock:
-            self._tars[key] = data
-            while len(self._tars) > 64:
-                self._tars.pop(next(iter(self._tars)))
-        return data
-
 
 def _patch_problem(patch: str) -> str | None:
     """Why a patch cannot even be handed to the container (None: it can)."""
@@ -472,12 +268,3 @@ def _patch_problem(patch: str) -> str | None:
     return None
 
 
-def _before_patch_error(run: Run) -> str:
-    """Why a grading container failed before the patch went in (infrastructure by construction)."""
-    if "infra" in run.events:
-        return run.events["infra"] or "the grading container could not be prepared"
-    res = run.result
-    if res.timed_out:
-        return f"the grading container did not get to the patch in {res.duration_s:.0f} s"
-    last = res.output.strip().splitlines()[-1:] or [""]
-    return f"the grading container failed before the patch was applied (exit {res.exit_code}): {last[0][:300]}"

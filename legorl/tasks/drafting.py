@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from legorl.grading.grader import hidden_test_files
+from legorl.grading.container import hidden_test_files
 from legorl.schemas import TaskRow
 from legorl.tasks.hiding import remove_tests
 from legorl.tasks.library import BuildError, Library
