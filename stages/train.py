@@ -29,7 +29,7 @@ from legorl import metric_keys as mk
 from legorl.errors import LegorlError
 from legorl.paths import INFO_FILE, Checkpoints, RunDir
 from legorl.training.advantages import group_advantages
-from legorl.training.batching import make_batches
+from legorl.training.batching import make_batches, token_micro_batches
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData, load_step
 from legorl.training.metrics import MetricsRecorder, harness_split
@@ -165,7 +165,7 @@ def run_train(
     recorder.merge(trainer.recorder)
     recorder.update({
         mk.PERF_TOKENS_PER_S: trainer.trained_tokens / wall if wall > 0 else 0.0,
-        mk.PERF_PADDING_WASTE: 1.0 - trainer.trained_tokens / max(trainer.padded_tokens, 1),
+        mk.PERF_PADDING_WASTE: trainer.padding_tokens / max(trainer.forward_tokens, 1),
         mk.PERF_WALL_S: wall,
         mk.UPDATES: float(state.global_step),
     })
@@ -211,8 +211,10 @@ def _build_trainer(
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(init_from, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(init_from)
+    budget = config.max_tokens_per_micro_batch
     args = dataclasses.replace(
         config,
+        micro_batches=token_micro_batches(data, batches, budget) if budget else config.micro_batches,
         output_dir=str(output_dir),
         temperature=sampling.logprob_temperature,  # the rollouts' (sampling.py), never assumed
         max_completion_length=config.max_completion_length or max(len(s) for s in data.sequences),

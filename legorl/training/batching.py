@@ -99,19 +99,92 @@ def pad(seqs: Sequence[TrainSequence], pad_id: int) -> Padded:
     )
 
 
-def split(batch: dict[str, object], chunks: int, generator: torch.Generator) -> list[dict[str, object]]:
-    """Shuffle rows and cut into ``chunks`` micro-batches (sizes differ by at most one, none dropped);
-    each keeps only the completion columns some of its rows use."""
+def split(
+    batch: dict[str, object], chunks: int, generator: torch.Generator, *, by_tokens: bool = False,
+    per_row_loss: bool = False,
+) -> list[dict[str, object]]:
+    """Shuffle a batch's trials and cut it into ``chunks`` micro-batches, none dropped, the segments of
+    a trial together (``fork_keys``: they may share a prefix); each keeps only the completion columns
+    some of its rows use.
+
+    Pieces hold equal trial counts (differing by at most one), or with ``by_tokens`` balanced token
+    counts (longest trial first onto the lightest piece). TRL's grpo and dr_grpo losses average over
+    a micro-batch's rows, then over the micro-batches, so with ``per_row_loss`` each piece's
+    advantages are scaled by ``rows_k * chunks / rows``: every row weighs ``1 / rows`` whatever the
+    cut (a positive factor: clipping is unchanged). A batch with fewer trials than ``chunks`` gets
+    no-op pieces (one row, nothing sampled), so no micro-batch is trained twice."""
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
     n = next(iter(tensors.values())).shape[0]
-    order = torch.randperm(n, generator=generator)
+    keys = batch.get("fork_keys")
+    key_list = keys.tolist() if isinstance(keys, torch.Tensor) else list(range(n))
+    units: dict[int, list[int]] = {}
+    for row, key in enumerate(key_list):
+        units.setdefault(key if key >= 0 else -1 - row, []).append(row)
+    members = list(units.values())
+    order = torch.randperm(len(members), generator=generator).tolist()
+    pieces_of_units = _by_tokens(batch, members, order, chunks) if by_tokens else [
+        part.tolist() for part in torch.tensor_split(torch.tensor(order), min(chunks, len(members)))]
     out = []
-    for part in torch.tensor_split(order, min(chunks, n)):
+    for units_in_piece in pieces_of_units:
+        part = torch.tensor([row for u in units_in_piece for row in members[u]])
         piece: dict[str, object] = {}
         for key, value in batch.items():
             piece[key] = value[part] if key in tensors else value  # type: ignore[index]
+        if per_row_loss:
+            piece["advantages"] = piece["advantages"] * (len(part) * chunks / n)  # type: ignore[operator]
         out.append(_trim(piece))
+    while len(out) < chunks:
+        out.append(_no_op(out[0]))
     return out
+
+
+def _by_tokens(batch: dict[str, object], members: list[list[int]], order: list[int], chunks: int) -> list[list[int]]:
+    prompt, mask = batch["prompt_ids"], batch["completion_mask"]
+    assert isinstance(prompt, torch.Tensor) and isinstance(mask, torch.Tensor)
+    lengths = (mask.sum(-1) + prompt.shape[1]).tolist()
+    sizes = [sum(lengths[r] for r in rows) for rows in members]
+    pieces: list[list[int]] = [[] for _ in range(min(chunks, len(members)))]
+    load = [0] * len(pieces)
+    for u in sorted(order, key=lambda u: -sizes[u]):  # stable: ties keep the shuffled order
+        lightest = min(range(len(pieces)), key=lambda p: (load[p], len(pieces[p])))
+        pieces[lightest].append(u)
+        load[lightest] += sizes[u]
+    return pieces
+
+
+def _no_op(piece: dict[str, object]) -> dict[str, object]:
+    """One row of ``piece`` with nothing to learn from: a micro-step that changes no weight."""
+    out = {k: v[:1] if isinstance(v, torch.Tensor) and v.ndim > 0 else v for k, v in piece.items()}
+    for key in ("tool_mask", "advantages"):
+        value = out[key]
+        assert isinstance(value, torch.Tensor)
+        out[key] = torch.zeros_like(value)
+    return out
+
+
+def token_micro_batches(data: StepData, batches: list[list[int]], budget: int) -> int:
+    """How many micro-batches each generation batch needs for pieces of at most ``budget`` tokens (a
+    trial is never cut; one longer than the budget is a piece of its own): the most any batch needs."""
+    most = 1
+    for batch in batches:
+        per_trial: dict[str, int] = {}
+        for i in batch:
+            seq = data.sequences[i]
+            per_trial[seq.trial_id] = per_trial.get(seq.trial_id, 0) + len(seq)
+        sizes = sorted(per_trial.values(), reverse=True)
+        limit = max(budget, sizes[0])
+        k = max(1, -(-sum(sizes) // budget))
+        while k < len(sizes) and _lpt_max(sizes, k) > limit:
+            k += 1
+        most = max(most, min(k, len(sizes)))
+    return most
+
+
+def _lpt_max(sizes: list[int], k: int) -> int:
+    load = [0] * k
+    for size in sizes:
+        load[load.index(min(load))] += size
+    return max(load)
 
 
 def _trim(piece: dict[str, object]) -> dict[str, object]:

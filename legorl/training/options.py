@@ -62,6 +62,20 @@ class TrainOptions:
     )
     logprob_batch_size: int = field(default=8, metadata={"help": (
         "Sequences per no-grad forward when recomputing old logprobs.")})
+    padding_free: bool = field(default=True, metadata={"help": (
+        "Pack each micro-batch's segments into one padding-free row and run the LM head only where the next "
+        "token was sampled (same loss and gradients as TRL's padded path, which computes logprobs at every "
+        "position; off = that path).")})
+    share_prefixes: bool = field(default=True, metadata={"help": (
+        "With padding_free: segments of one trial that start with the same tokens (forks after a history "
+        "rewrite) compute their shared prefix once (same loss and gradients as computing it per fork).")})
+    max_tokens_per_micro_batch: int | None = field(default=None, metadata={"help": (
+        "Cut each generation batch into micro-batches of at most this many tokens (a trial's segments stay "
+        "together; one longer than this is a micro-batch of its own) instead of micro_batches equal row "
+        "counts: memory bounded by length, not row count. The update is the same either way.")})
+    logprob_max_tokens: int = field(default=16384, metadata={"help": (
+        "With padding_free: tokens per no-grad forward when recomputing old logprobs (whole segments; one "
+        "longer than this is a forward of its own).")})
 
     # ------------------------------------------------------------------ TRL's, with legorl's default or meaning
 
@@ -112,9 +126,11 @@ class TrainOptions:
             raise ConfigError(f"unknown routing replay {self.routing_replay!r}: choose auto, on or off")
         if self.is_cap <= 0:
             raise ConfigError(f"--is-cap must be > 0 (got {self.is_cap})")
-        for name in ("num_iterations", "micro_batches", "logprob_batch_size"):
+        for name in ("num_iterations", "micro_batches", "logprob_batch_size", "logprob_max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(f"max_tokens_per_micro_batch must be >= 1 (got {self.max_tokens_per_micro_batch})")
         if self.groups_per_batch is not None and self.groups_per_batch < 1:
             raise ConfigError(f"groups_per_batch must be >= 1 (got {self.groups_per_batch})")
         if self.learning_rate <= 0:
@@ -148,5 +164,5 @@ class TrainOptions:
 TRAIN_CLI_FIELDS: tuple[str, ...] = (
     "loss", "importance_sampling", "is_cap", "learning_rate", "num_iterations", "micro_batches",
     "groups_per_batch", "scale_rewards", "trial_weighting", "routing_replay", "report_to", "temperature",
-    "seed", "bf16",
+    "seed", "bf16", "gradient_checkpointing", "padding_free", "share_prefixes", "max_tokens_per_micro_batch",
 )

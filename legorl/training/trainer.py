@@ -10,7 +10,10 @@ logging, checkpointing and reporters are used as they are:
   loss mask into TRL's ``tool_mask``, recomputes the old logprobs with the model (routing replayed
   for MoE), folds the importance weights against the rollout logprobs and the trial weighting into
   per-token advantages of shape (B, T), and records the health metrics;
-- ``_compute_loss`` is TRL's, run inside the routing-replay context.
+- ``_compute_loss`` is TRL's, run inside the routing-replay context; with ``padding_free`` (the
+  default) the per-token logprobs it asks for come from one packed, padding-free forward with the
+  LM head only at sampled positions and fork prefixes computed once (:mod:`.logprobs`,
+  :mod:`.packing`), the old logprobs from the same path without gradient, in token-bounded chunks.
 
 Advantages are computed before training, per group over the whole step (:mod:`.advantages`), so
 how a generation batch is cut into micro-batches never changes them.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +39,14 @@ from trl.trainer.utils import identity
 from legorl import metric_keys as mk
 from legorl.errors import LegorlError
 from legorl.routing import capture_routing, replay_routing, routing_shape
+from legorl.training.attention import packed_attention
 from legorl.training.batching import GroupBatchSampler, pad, split
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData
 from legorl.training.importance import importance_weights
+from legorl.training.logprobs import sampled_logps
 from legorl.training.metrics import MetricsRecorder, fidelity, harness_split
+from legorl.training.packing import MIN_SHARED_PREFIX, Packed, pack, token_chunks
 
 # Keys of TRL/Trainer logs not worth a metrics row (run summaries, bookkeeping).
 _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second",
@@ -58,6 +64,14 @@ class RoutingWatch:
 
     flips: int = 0
     decisions: int = 0
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """What the next ``_get_per_token_logps_and_entropies`` call scores, packed."""
+
+    packed: Packed
+    score_mask: torch.Tensor  # (B, C): TRL's ``completion_mask * tool_mask``
 
 
 class SegmentGRPOTrainer(GRPOTrainer):
@@ -78,8 +92,11 @@ class SegmentGRPOTrainer(GRPOTrainer):
         self.train_config = args  # ``self.args``, typed: legorl's fields live on TRL's config
         self.recorder = MetricsRecorder()
         self.carry_state_from = carry_state_from
-        self.trained_tokens = 0
-        self.padded_tokens = 0
+        self.trained_tokens = 0  # segment tokens trained on (a shared fork prefix counts once per fork)
+        self.forward_tokens = 0  # positions the training forwards ran (packed: shared prefixes once)
+        self.padding_tokens = 0  # of which padding
+        self._scoring: _Scoring | None = None
+        self._held: ExitStack | None = None  # contexts that must outlive the forward (recompute in backward)
         self._own_keys: set[str] = set()
         dataset = Dataset.from_dict({"seq": list(range(len(data.sequences)))})
         super().__init__(
@@ -122,7 +139,10 @@ class SegmentGRPOTrainer(GRPOTrainer):
             scored = self._generate_and_score_completions(generation_batch)
             # Seeded by the update count, so a resumed run cuts the same micro-batches.
             generator = torch.Generator().manual_seed(self.train_config.seed * 1_000_003 + self.state.global_step)
-            self._buffered_inputs = split(scored, self.steps_per_generation, generator)
+            cfg = self.train_config
+            self._buffered_inputs = split(scored, self.steps_per_generation, generator,
+                                          by_tokens=cfg.max_tokens_per_micro_batch is not None,
+                                          per_row_loss=cfg.trl_loss_type in ("grpo", "dr_grpo"))
         inputs: dict[str, Any] = self._buffered_inputs[self._step % len(self._buffered_inputs)]
         return inputs
 
@@ -143,10 +163,12 @@ class SegmentGRPOTrainer(GRPOTrainer):
 
         model: Any = self.model
         checkpointing_kwargs: Any = self.args.gradient_checkpointing_kwargs
-        with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
-            old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing)
-
         mask = padded.loss_mask.to(device)
+        fork_keys = self._fork_keys(seqs).to(device)
+        with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
+            old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing,
+                                          padded.completion_mask.to(device) * mask, fork_keys)
+
         rollout_logps = padded.rollout_logps.to(device)
         cfg = self.train_config
         weights, weight_stats = importance_weights(old_logps, rollout_logps, mask, cfg.importance_sampling, cfg.is_cap)
@@ -180,27 +202,84 @@ class SegmentGRPOTrainer(GRPOTrainer):
             "advantages": advantages,
             "old_per_token_logps": old_logps,
             "num_items_in_batch": mask.sum(),
+            "fork_keys": fork_keys,
         }
         if routing is not None and self.replay:
             output["routed_experts"] = routing
         return output
 
+    def _fork_keys(self, seqs: list[Any]) -> torch.Tensor:
+        """One key per row: rows of one trial may share a prefix (-1 for every row: none shares)."""
+        if not self.train_config.share_prefixes:
+            return torch.full((len(seqs),), -1, dtype=torch.long)
+        trials: dict[str, int] = {}
+        return torch.tensor([trials.setdefault(s.trial_id, len(trials)) for s in seqs], dtype=torch.long)
+
+    def pack_rows(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, fork_keys: torch.Tensor,
+        routing: torch.Tensor | None,
+    ) -> Packed:
+        keys = [int(k) if k >= 0 else -1 - i for i, k in enumerate(fork_keys.tolist())]
+        return pack(input_ids, attention_mask, keys, routing, MIN_SHARED_PREFIX)
+
     def score(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, routing: torch.Tensor | None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, routing: torch.Tensor | None,
+        score_mask: torch.Tensor | None = None, fork_keys: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RoutingWatch]:
-        """Per-token logprobs of the last ``logits_to_keep`` positions, in chunks, routing replayed (or
-        watched) per chunk."""
+        """Per-token logprobs of the last ``logits_to_keep`` positions, in chunks (of ``logprob_batch_size``
+        rows and, padding-free, ``logprob_max_tokens`` tokens), routing replayed (or watched) per chunk."""
         watch = RoutingWatch()
+        cfg = self.train_config
+        padding_free = cfg.padding_free and score_mask is not None
+        if padding_free:
+            chunks = token_chunks(attention_mask.sum(-1).tolist(), cfg.logprob_max_tokens, cfg.logprob_batch_size)
+        else:
+            size = cfg.logprob_batch_size
+            chunks = [list(range(s, min(s + size, input_ids.shape[0]))) for s in range(0, input_ids.shape[0], size)]
         out = []
-        size = self.train_config.logprob_batch_size
-        for start in range(0, input_ids.shape[0], size):
-            end = start + size
-            with self.routing_context(None if routing is None else routing[start:end], watch):
-                logps, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids[start:end], attention_mask[start:end], logits_to_keep
+        for chunk in chunks:
+            rows = torch.tensor(chunk, device=input_ids.device)
+            chunk_routing = None if routing is None else routing[rows]
+            if not padding_free:
+                with self.routing_context(chunk_routing, watch):
+                    logps, _, _ = self._get_per_token_logps_and_entropies(
+                        self.model, input_ids[rows], attention_mask[rows], logits_to_keep
+                    )
+                out.append(logps)
+                continue
+            assert score_mask is not None
+            keys = fork_keys[rows] if fork_keys is not None else torch.full((len(chunk),), -1)
+            packed = self.pack_rows(input_ids[rows], attention_mask[rows], keys, chunk_routing)
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            with packed_attention(unwrapped), self.routing_context(packed.routing, watch), self.accelerator.autocast():
+                scored = sampled_logps(
+                    self.accelerator.unwrap_model(self.model), packed, input_ids[rows, -logits_to_keep:],
+                    score_mask[rows], temperature=self.temperature, compute_entropy=False,
+                    cast_lm_head_to_fp32=self.train_config.cast_lm_head_to_fp32,
                 )
-            out.append(logps)
+            out.append(scored.logps)
         return torch.cat(out, dim=0), watch
+
+    def _get_per_token_logps_and_entropies(
+        self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+        batch_size: int | None = None, compute_entropy: bool = False, compute_aux_loss: bool = False, **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's, unless ``_compute_loss`` packed the batch: then only the sampled positions are scored."""
+        scoring = self._scoring
+        if scoring is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **kwargs,
+            )
+        if scoring.packed.rows != input_ids.shape[0]:
+            raise LegorlError(f"packed {scoring.packed.rows} rows but asked to score {input_ids.shape[0]}")
+        with self.accelerator.autocast():
+            scored = sampled_logps(
+                self.accelerator.unwrap_model(model), scoring.packed, input_ids[:, -logits_to_keep:],
+                scoring.score_mask, temperature=self.temperature, compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss, cast_lm_head_to_fp32=self.train_config.cast_lm_head_to_fp32,
+            )
+        return scored.logps, scored.entropies, scored.aux_loss
 
     @contextmanager
     def routing_context(self, routing: torch.Tensor | None, watch: RoutingWatch | None = None) -> Iterator[None]:
@@ -229,11 +308,42 @@ class SegmentGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ the loss: TRL's, under replay
 
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """TRL's, with the routing replay and packed attention held open through the backward pass
+        (gradient checkpointing re-runs the forward there)."""
+        with ExitStack() as held:
+            self._held = held
+            try:
+                loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._held = None
+        return loss
+
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-        self.trained_tokens += int(inputs["completion_mask"].sum()) + int(inputs["prompt_mask"].sum())
-        self.padded_tokens += int(inputs["completion_mask"].numel()) + int(inputs["prompt_mask"].numel())
-        with self.routing_context(inputs.get("routed_experts")):
-            loss: torch.Tensor = super()._compute_loss(model, inputs)
+        prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
+        self.trained_tokens += int(completion_mask.sum()) + int(prompt_mask.sum())
+        routing = inputs.get("routed_experts")
+        with ExitStack() as local:
+            held = self._held if self._held is not None else local
+            if self.train_config.padding_free:
+                input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+                attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+                keys = inputs.get("fork_keys")
+                if keys is None:
+                    keys = torch.full((input_ids.shape[0],), -1, dtype=torch.long)
+                packed = self.pack_rows(input_ids, attention_mask, keys, routing)
+                self._scoring = _Scoring(packed, completion_mask * inputs["tool_mask"])
+                self.forward_tokens += packed.length
+                routing = packed.routing
+                held.enter_context(packed_attention(self.accelerator.unwrap_model(model)))
+            else:
+                self.forward_tokens += int(completion_mask.numel()) + int(prompt_mask.numel())
+                self.padding_tokens += int((completion_mask == 0).sum())
+            held.enter_context(self.routing_context(routing))
+            try:
+                loss: torch.Tensor = super()._compute_loss(model, inputs)
+            finally:
+                self._scoring = None
         return loss
 
     # ------------------------------------------------------------------ metrics and state

@@ -1,0 +1,101 @@
+"""Per-token logprobs (and entropies) only where the loss is: hidden states for every token, the LM
+head only at positions whose next token was sampled.
+
+TRL's ``_get_per_token_logps_and_entropies`` projects every completion position through the LM
+head (on CPU its fused head scores all of them, sampled or not). A coding-agent segment is mostly
+environment tokens (loss mask 0), so :func:`sampled_logps` runs the backbone once over a packed
+row (:mod:`.packing`, :mod:`.attention`), gathers the hidden states that predict a sampled token
+and scores only those, through TRL's own chunked log-softmax kernel (``trl.kernels``: it never
+materialises more than one ``[tokens, vocab chunk]`` tile, and recomputes the tile in the
+backward pass), ``token_chunk`` positions at a time. The result is laid back into TRL's (B, C)
+completion layout, 0 elsewhere: TRL's losses multiply every per-token term by the loss mask, so
+they are unchanged.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from trl.kernels import ChunkedLogProbFunction
+
+from legorl.errors import LegorlError
+from legorl.training.attention import NAME as ATTENTION
+from legorl.training.packing import Packed
+
+VOCAB_CHUNK = 16384  # LM-head columns per tile of the chunked log-softmax
+TOKEN_CHUNK = 1024  # scored positions per call of the kernel: tile memory is TOKEN_CHUNK x VOCAB_CHUNK
+
+
+@dataclass(frozen=True)
+class Scored:
+    logps: torch.Tensor  # (B, C)
+    entropies: torch.Tensor | None  # (B, C)
+    aux_loss: torch.Tensor | None
+
+
+def _head_scaling(model: Any) -> tuple[float | None, float]:
+    config = model.config.get_text_config()
+    scale = getattr(config, "logit_scale", None)
+    return getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
+
+
+def sampled_logps(
+    model: Any, packed: Packed, completion_ids: torch.Tensor, score_mask: torch.Tensor, *, temperature: float,
+    compute_entropy: bool, compute_aux_loss: bool = False, cast_lm_head_to_fp32: bool = False,
+    token_chunk: int = TOKEN_CHUNK,
+) -> Scored:
+    """Logprobs of ``completion_ids`` (B, C) at the positions ``score_mask`` (B, C) marks, from one
+    forward of ``packed`` (the batch ``prompt + completion`` of width W = P + C, packed). Call it
+    inside :func:`~legorl.training.attention.packed_attention` (held through the backward pass
+    when activations are recomputed)."""
+    text_config = model.config.get_text_config()
+    if text_config._attn_implementation != ATTENTION:
+        raise LegorlError("sampled_logps runs the packed row: call it inside attention.packed_attention(model)")
+    kwargs: dict[str, Any] = {"legorl_documents": packed.documents, "use_cache": False}
+    if compute_aux_loss:
+        kwargs["output_router_logits"] = True
+    out = model.base_model(input_ids=packed.input_ids, position_ids=packed.position_ids, **kwargs)
+    hidden = out.last_hidden_state[0]  # (L, H)
+
+    width = packed.source.shape[1]
+    prompt = width - completion_ids.shape[1]
+    rows, cols = score_mask.nonzero(as_tuple=True)
+    # The hidden state at position t predicts token t + 1: completion column c sits at prompt + c.
+    at = packed.source[rows, prompt + cols - 1]
+    if bool((at < 0).any()):
+        raise ValueError("a scored position has no context in the packed row (scored padding?)")
+    labels = completion_ids[rows, cols]
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    softcap, logit_scale = _head_scaling(model)
+    chosen = hidden[at]
+    if cast_lm_head_to_fp32:
+        chosen = chosen.float()
+    logps, entropies = [], []
+    wanted = ("log_probs", "entropy") if compute_entropy else ("log_probs",)
+    with torch.autocast(chosen.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext():
+        for start in range(0, chosen.shape[0], token_chunk):
+            part = slice(start, start + token_chunk)
+            lp, ent, *_ = ChunkedLogProbFunction.apply(
+                chosen[part], weight, bias, labels[part], temperature, VOCAB_CHUNK, softcap, logit_scale, wanted
+            )
+            logps.append(lp)
+            entropies.append(ent)
+    mask = score_mask.bool()
+    # masked_scatter keeps the graph connected (a differentiable 0) even when nothing is scored.
+    full = hidden.new_zeros(mask.shape, dtype=torch.float32)
+    per_token = full.masked_scatter(mask, torch.cat(logps) if logps else full[:0, 0])
+    entropy = None
+    if compute_entropy:
+        entropy = full.masked_scatter(mask, torch.cat(entropies) if entropies else full[:0, 0])
+    aux: Any = None
+    if compute_aux_loss:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        # A shared prefix counts once per fork, as when the forks are run separately.
+        aux = load_balancing_loss_func(out.router_logits, text_config.num_experts, text_config.num_experts_per_tok,
+                                       packed.weight)
+    return Scored(per_token, entropy, aux)
