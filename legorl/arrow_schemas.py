@@ -1,0 +1,154 @@
+"""The Arrow schemas of the four shard kinds and of the structs inside their rows.
+
+:mod:`legorl.schemas` is where stages get them (with the row classes and keys); each field here
+matches a field of a row class there (``tests/test_schemas_agree.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SEGMENT_TYPE = pa.struct(
+    [
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+        # 1 only on tokens the policy sampled; prompt and tool output tokens are 0.
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        # logprob of each token under the distribution it was sampled from (0.0 where mask is 0).
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+        # experts each token was routed to, flattened row-major from [tokens, layers, top_k].
+        pa.field("routed_experts", pa.list_(pa.int16())),
+        pa.field("routing_layers", pa.int32()),
+        pa.field("routing_top_k", pa.int32()),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("parent", pa.int32()),  # index of the segment this one forked from
+    ]
+)
+
+CALL_TYPE = pa.struct(
+    [
+        pa.field("index", pa.int32()),
+        pa.field("api", pa.string()),  # "openai" | "anthropic"
+        pa.field("stream", pa.bool_()),
+        pa.field("segment", pa.int32()),
+        pa.field("started_at", pa.float64()),
+        pa.field("latency_s", pa.float64()),
+        pa.field("ttft_s", pa.float64()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("new_prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("parse_error", pa.string()),
+        pa.field("budget_stop", pa.string()),  # a BudgetStop
+        # The distribution the call sampled from, after the proxy's overrides (null for a budget stop,
+        # which samples nothing, and in shards written before they were recorded). temperature 0 is
+        # greedy (its logprobs are those at temperature 1); top_k 0 = off.
+        pa.field("temperature", pa.float64()),
+        pa.field("top_p", pa.float64()),
+        pa.field("top_k", pa.int64()),
+    ]
+)
+
+TIMINGS_TYPE = pa.struct(
+    [
+        pa.field("sandbox_s", pa.float64()),
+        pa.field("agent_s", pa.float64()),
+        pa.field("model_s", pa.float64()),
+        pa.field("patch_s", pa.float64()),
+        pa.field("total_s", pa.float64()),
+    ]
+)
+
+TEST_RESULT_TYPE = pa.struct(
+    [
+        pa.field("name", pa.string()),
+        pa.field("kind", pa.string()),  # FAIL_TO_PASS | PASS_TO_PASS
+        pa.field("status", pa.string()),  # PASSED FAILED ERROR SKIPPED XFAIL MISSING
+        pa.field("passed", pa.bool_()),
+    ]
+)
+
+_str = pa.string()
+_strings = pa.list_(pa.string())
+
+TASKS_SCHEMA = pa.schema(
+    [
+        pa.field("instance_id", _str, nullable=False),
+        pa.field("repo", _str),
+        pa.field("base_commit", _str),
+        pa.field("patch", _str),
+        pa.field("test_patch", _str),
+        pa.field("problem_statement", _str),
+        pa.field("hints_text", _str),
+        pa.field("created_at", _str),
+        pa.field("version", _str),
+        pa.field("FAIL_TO_PASS", _strings),
+        pa.field("PASS_TO_PASS", _strings),
+        pa.field("environment_setup_commit", _str),
+        pa.field("image", _str),
+        pa.field("repo_source", _str),  # absolute path of a git bundle or directory
+        pa.field("repo_ref", _str),
+        pa.field("test_command", _str),
+        pa.field("log_parser", _str),
+        # JSON object: every test's status when the gold patch is graded (the reference a trial must reach)
+        pa.field("gold_statuses", _str),
+    ]
+)
+
+ROLLOUTS_SCHEMA = pa.schema(
+    [
+        pa.field("trial_id", _str, nullable=False),
+        pa.field("task_id", _str, nullable=False),
+        pa.field("harness", _str, nullable=False),
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("group_id", _str, nullable=False),
+        pa.field("model", _str),
+        pa.field("outcome", _str, nullable=False),
+        pa.field("infra_failure", pa.bool_(), nullable=False),
+        pa.field("error", _str),
+        pa.field("exit_code", pa.int32()),
+        pa.field("attempts", pa.int32()),
+        pa.field("patch", _str),
+        pa.field("segments", pa.list_(SEGMENT_TYPE)),
+        pa.field("calls", pa.list_(CALL_TYPE)),
+        pa.field("messages", _str),  # JSON: the conversation as the harness last sent it
+        pa.field("timings", TIMINGS_TYPE),
+        pa.field("started_at", pa.float64()),
+        pa.field("finished_at", pa.float64()),
+    ]
+)
+
+GRADES_SCHEMA = pa.schema(
+    [
+        pa.field("trial_id", _str, nullable=False),
+        pa.field("task_id", _str, nullable=False),
+        pa.field("harness", _str),
+        pa.field("step", pa.int32()),
+        pa.field("reward", pa.float64()),  # null when grading itself failed
+        pa.field("resolved", pa.bool_()),
+        pa.field("resolution", _str),
+        pa.field("status", _str, nullable=False),
+        pa.field("infra_failure", pa.bool_(), nullable=False),
+        pa.field("error", _str),
+        pa.field("tests", pa.list_(TEST_RESULT_TYPE)),
+        pa.field("dropped_paths", _strings),
+        pa.field("apply_method", _str),
+        # lines the patch added that reach into the test runner or the interpreter ("path:line: why: code")
+        pa.field("suspicious", _strings),
+        # the control run (the gold or empty patch, same conditions) behind an infra / tests_errored verdict
+        pa.field("control", _str),
+        pa.field("duration_s", pa.float64()),
+        pa.field("log", _str),
+    ]
+)
+
+METRICS_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("key", _str, nullable=False),
+        pa.field("value", pa.float64()),
+        pa.field("harness", _str),
+        pa.field("stage", _str),
+        pa.field("time", pa.float64()),
+    ]
+)
