@@ -237,7 +237,8 @@ class TrialRunner:
             session = None
             view = ProxyView(calls=sum(1 for c in capture.calls if not c.budget_stop),
                              budget_stop=capture.budget_stop,
-                             engine_error=capture.engine_errors[-1] if capture.engine_errors else None)
+                             engine_error=capture.engine_errors[-1] if capture.engine_errors else None,
+                             in_flight=capture.in_flight)
             outcome, error = classify(run, view, alive, patch)
             if patch_error and outcome is not Outcome.INFRA_ERROR:
                 error = f"{error}; no patch: {patch_error}" if error else f"no patch: {patch_error}"

@@ -347,6 +347,8 @@ class ProxyView:
     calls: int = 0
     budget_stop: str | None = None  # a legorl.schemas.BudgetStop
     engine_error: str | None = None  # the engine failed while serving this session
+    # the call the policy was still generating when the trial ended (legorl.proxy.sessions.InFlight.snapshot)
+    in_flight: dict[str, Any] | None = None
 
 
 _END_OUTCOMES = {
@@ -365,7 +367,9 @@ def classify(run: HarnessRun, proxy: ProxyView, sandbox_alive: bool, patch: str 
     Infrastructure: the proxy recorded an engine failure for this session, or no output of the
     policy ever reached the harness (no sampled call): until then nothing in the trial is the
     agent's doing (legorl could not launch the harness, the sandbox broke under it, the model was
-    unreachable). Once the policy has spoken, the rest is the agent's outcome: a dead container
+    unreachable, the engine had not started the first reply when the trial ended). A first reply the
+    policy was still sampling when the trial ended is the policy's: its length, not the engine's
+    delay (the proxy measured both). Once the policy has spoken, the rest is the agent's outcome: a dead container
     (the agent can kill its own), the hard kill, the proxy's budget stops (they end the episode
     with a normal reply, so the harness itself thinks it finished), then the harness's own account
     — read from files the agent can write when the harness runs in its container, so it never
@@ -373,8 +377,21 @@ def classify(run: HarnessRun, proxy: ProxyView, sandbox_alive: bool, patch: str 
     """
     if proxy.engine_error:
         return Outcome.INFRA_ERROR, f"engine failed: {proxy.engine_error}"
-    if proxy.calls == 0:
+    sampling = proxy.in_flight or {}
+    if proxy.calls == 0 and int(sampling.get("sampled_tokens") or 0) == 0:
+        if sampling:
+            return Outcome.INFRA_ERROR, (
+                f"the engine had not sampled a token of the first reply after {sampling.get('elapsed_s')} s "
+                f"({run.detail or 'no calls'})")
         return Outcome.INFRA_ERROR, f"the harness never reached the model: {run.detail or 'no calls'}"
+    if proxy.calls == 0 and run.timed_out:
+        # The policy was still producing its first reply when the limit hit: its own length, not the
+        # engine's delay (an engine that never started it leaves 0 sampled tokens, above). Every other
+        # end of such a trial is judged below, as the agent's: a reply too long for its harness is too.
+        return Outcome.TIMEOUT, (
+            f"killed after the wall-clock limit ({run.duration_s:.0f} s) while the policy was still sampling its "
+            f"first reply ({sampling.get('sampled_tokens')} tokens in {sampling.get('elapsed_s')} s, first token "
+            f"after {sampling.get('first_token_s')} s)")
     if not sandbox_alive:
         return Outcome.HARNESS_CRASH, "the sandbox container died during the trial"
     if run.timed_out:

@@ -24,7 +24,7 @@ from legorl.errors import LegorlError
 from legorl.proxy import budgets as B
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.render import ChatRenderer
-from legorl.proxy.sessions import Message, Plan, Session, SessionCapture, new_session_id
+from legorl.proxy.sessions import InFlight, Message, Plan, Session, SessionCapture, new_session_id
 from legorl.proxy.textstream import TextAssembler
 from legorl.proxy.toolparse import ParsedOutput, ToolCall, ToolParser, detect_parser
 from legorl.proxy.validate import BadRequest
@@ -215,67 +215,80 @@ class ProxyCore:
             )
             marker = self.parser.start_marker if (req.tools and req.parse_tools) else None
             text = TextAssembler(self.renderer.decode, self.renderer.stop_token_ids, req.stop, marker)
+            # What the proxy measures of the call while it runs: a trial killed mid-call is judged by it.
+            progress = session.in_flight = InFlight(started=t0)
+            # Streamed from the engine even when the client wants one answer, so that progress is known;
+            # only stop strings and client streaming need the text assembled token by token.
+            per_token = bool(req.stream or req.stop)
             try:
-                if req.stream or req.stop:
-                    gen: Generation | None = None
-                    announced = False
-                    seen_lps: list[float] = []
-                    seen_routing: list[Any] = []
-                    stream = self.engine.stream(plan.prompt_ids, params)
-                    try:
-                        async for chunk in stream:
-                            if not announced:  # the engine took the request (it may refuse it: a 400)
-                                announced = True
-                                yield Started(len(plan.prompt_ids))
-                            if call.ttft_s is None and chunk.token_ids:
-                                call.ttft_s = time.perf_counter() - t0
-                            seen_lps.extend(chunk.logprobs)
-                            if chunk.routed_experts is not None:
-                                seen_routing.append(chunk.routed_experts)
-                            cut = False
-                            for tid in chunk.token_ids:
-                                if text.push(tid):
-                                    cut = True
-                                    break
-                            if req.stream and (delta := text.content_delta()):
-                                yield TextDelta(delta)
-                            if chunk.final is not None:
-                                gen = chunk.final
-                            if cut:
+                gen: Generation | None = None
+                announced = False
+                seen_lps: list[float] = []
+                seen_routing: list[Any] = []
+                stream = self.engine.stream(plan.prompt_ids, params)
+                try:
+                    async for chunk in stream:
+                        if not announced:  # the engine took the request (it may refuse it: a 400)
+                            announced = True
+                            yield Started(len(plan.prompt_ids))
+                        if call.ttft_s is None and chunk.token_ids:
+                            call.ttft_s = progress.first_token_s = time.perf_counter() - t0
+                        progress.sampled += len(chunk.token_ids)
+                        if chunk.final is not None and not per_token:
+                            gen = chunk.final
+                            break
+                        seen_lps.extend(chunk.logprobs)
+                        if chunk.routed_experts is not None:
+                            seen_routing.append(chunk.routed_experts)
+                        cut = False
+                        for tid in chunk.token_ids if per_token else ():
+                            if text.push(tid):
+                                cut = True
                                 break
-                    finally:
-                        await stream.aclose()  # type: ignore[attr-defined]
-                    if text.cut is not None:
-                        # Cut after the token that completed a stop string (see textstream.py); the
-                        # routing of the kept tokens is the final chunk's, else the streamed rows'.
-                        kept = text.kept_ids()
-                        n = len(plan.prompt_ids) + len(kept)
-                        routed = gen.routed_experts if gen else _streamed_routing(seen_routing, n)
-                        gen = Generation(
-                            token_ids=kept,
-                            logprobs=seen_lps[: len(kept)],
-                            finish_reason="stop",
-                            routed_experts=None if routed is None else routed[:n],
-                            prompt_tokens=len(plan.prompt_ids),
-                        )
-                    elif gen is None:
-                        raise RuntimeError("the engine's stream ended without a final chunk")
-                else:
-                    yield Started(len(plan.prompt_ids))
-                    gen = await self.engine.generate(plan.prompt_ids, params)
+                        if req.stream and (delta := text.content_delta()):
+                            yield TextDelta(delta)
+                        if chunk.final is not None:
+                            gen = chunk.final
+                        if cut:
+                            break
+                finally:
+                    await stream.aclose()  # type: ignore[attr-defined]
+                if text.cut is not None:
+                    # Cut after the token that completed a stop string (see textstream.py); the
+                    # routing of the kept tokens is the final chunk's, else the streamed rows'.
+                    kept = text.kept_ids()
+                    n = len(plan.prompt_ids) + len(kept)
+                    routed = gen.routed_experts if gen else _streamed_routing(seen_routing, n)
+                    gen = Generation(
+                        token_ids=kept,
+                        logprobs=seen_lps[: len(kept)],
+                        finish_reason="stop",
+                        routed_experts=None if routed is None else routed[:n],
+                        prompt_tokens=len(plan.prompt_ids),
+                    )
+                elif gen is None:
+                    raise RuntimeError("the engine's stream ended without a final chunk")
+                if not per_token:
                     text.ids = list(gen.token_ids)  # no stop strings: one decode at the end suffices
                 if not all(map(math.isfinite, gen.logprobs)):  # the engine's fault: never recorded
                     raise LegorlError("the engine returned a non-finite logprob for a sampled token")
             except PromptTooLong:
+                session.in_flight = None
                 if budgets.context_overflow == "error":
                     raise ContextOverflow("the prompt does not fit the engine's context") from None
                 yield self._budget_stop(session, req, B.CONTEXT_OVERFLOW, call, t0)
                 return
             except RequestRejected as exc:  # what the request holds, not the engine's failure
+                session.in_flight = None
                 raise BadRequest(f"the engine rejected the request: {exc}") from None
             except Exception as exc:  # the engine failed: an infrastructure error of this session
                 session.engine_errors.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+                progress.ended = time.perf_counter()
                 raise
+            except BaseException:  # cancelled (the harness went away mid-call): what it reached stays on record
+                progress.ended = time.perf_counter()
+                raise
+            session.in_flight = None
             # The distribution actually sampled (after overrides and the greedy rule): a trainer reads it.
             call.temperature, call.top_p, call.top_k = params.temperature, params.top_p, params.top_k
             result = self._finish(session, req, plan, gen, text, call, t0)

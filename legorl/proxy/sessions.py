@@ -133,6 +133,21 @@ class Plan:
 
 
 @dataclass
+class InFlight:
+    """The call a session is generating right now, as the proxy measured it (not the agent's to write)."""
+
+    started: float = field(default_factory=time.perf_counter)  # when the proxy took the request
+    first_token_s: float | None = None  # seconds until the engine's first sampled token
+    sampled: int = 0  # tokens the engine has sampled for it so far
+    ended: float | None = None  # when it stopped without an answer (cancelled, or the engine failed)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"elapsed_s": round((self.ended or time.perf_counter()) - self.started, 3),
+                "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 3),
+                "sampled_tokens": self.sampled}
+
+
+@dataclass
 class SessionCapture:
     """Everything a session captured, as plain data (a snapshot; the session goes on)."""
 
@@ -145,6 +160,8 @@ class SessionCapture:
     model: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     engine_errors: list[str] = field(default_factory=list)  # calls the engine failed (answered 500)
+    # the call still generating when the snapshot was taken (InFlight.snapshot), e.g. at a trial's kill
+    in_flight: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -153,6 +170,7 @@ class SessionCapture:
             "created_at": self.created_at,
             "budget_stop": self.budget_stop,
             "engine_errors": self.engine_errors,
+            "in_flight": self.in_flight,
             "metadata": self.metadata,
             "segments": [s.to_dict() for s in self.segments],
             "calls": [c.to_dict() for c in self.calls],
@@ -172,6 +190,7 @@ class SessionCapture:
             model=data.get("model"),
             metadata=dict(data.get("metadata") or {}),
             engine_errors=list(data.get("engine_errors") or []),
+            in_flight=dict(data["in_flight"]) if isinstance(data.get("in_flight"), dict) else None,
         )
 
     def outcome(self) -> str:
@@ -217,6 +236,7 @@ class Session:
         self.budget_stop: str | None = None
         self.engine_errors: list[str] = []
         self.final_messages: list[Message] = []
+        self.in_flight: InFlight | None = None  # set by the proxy core around each generating call
 
     # ------------------------------------------------------------------ placing a request
 
@@ -360,4 +380,5 @@ class Session:
                 model=self.model,
                 metadata=dict(self.metadata),
                 engine_errors=list(self.engine_errors),
+                in_flight=self.in_flight.snapshot() if self.in_flight is not None else None,
             )
