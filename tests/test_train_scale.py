@@ -1,0 +1,168 @@
+"""The trainer at agent scale: the packed, padding-free path (LM head only at sampled tokens, fork
+prefixes once, token-budget micro-batches, gradient checkpointing) gives TRL's padded path's loss
+and gradients, dense and MoE with routing replay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from train_support import TrialSpec, make_run
+
+from legorl.paths import RunDir
+from legorl.stages.train import _build_trainer, prepare
+from legorl.training.batching import make_batches, token_micro_batches
+from legorl.training.config import TrainConfig
+from legorl.training.data import load_step
+from legorl.training.packing import pack
+
+# Two groups; two trials forked into a main segment and a rewrite holding it as its prefix.
+SPECS = [
+    TrialSpec("t1", 0, 1.0, segments=2),
+    TrialSpec("t1", 1, 0.0),
+    TrialSpec("t1", 2, 0.5),
+    TrialSpec("t2", 0, 0.0, segments=2),
+    TrialSpec("t2", 1, 1.0),
+]
+
+
+@pytest.fixture(scope="module")
+def dense_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
+    return make_run(tmp_path_factory.mktemp("dense") / "run", tiny_model, SPECS, logprob_noise=0.3)
+
+
+@pytest.fixture(scope="module")
+def moe_run(tiny_moe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
+    return make_run(tmp_path_factory.mktemp("moe") / "run", tiny_moe_model, SPECS, logprob_noise=0.3)
+
+
+def _trainer(run: RunDir, model: Path, out: Path, **options: Any) -> tuple[Any, list[int]]:
+    config = TrainConfig(learning_rate=1e-4, **options)
+    data = load_step(run)
+    prepare(data, config)
+    batch = make_batches(data, None, seed=0)[0]
+    trainer = _build_trainer(model, out, data, [batch], config, None, [])
+    trainer.model.train()
+    return trainer, batch
+
+
+def _perturb(model: torch.nn.Module) -> None:
+    """The policy a little way from the one that scored the old logprobs (ratios != 1, clipping active)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+
+
+def _loss_and_grads(run: RunDir, model: Path, out: Path, **options: Any) -> dict[str, Any]:
+    trainer, batch = _trainer(run, model, out, **options)
+    trainer.current_gradient_accumulation_steps = 1
+    scored = trainer._generate_and_score_completions([{"seq": i} for i in batch])
+    _perturb(trainer.model)
+    loss = trainer._compute_loss(trainer.model, scored)
+    loss.backward()
+    mask = scored["tool_mask"] > 0
+    return {
+        "loss": float(loss.detach()),
+        "old": scored["old_per_token_logps"][mask],
+        "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None},
+        "forward_tokens": trainer.forward_tokens,
+        "entropy": trainer._metrics["train"]["entropy"][-1],
+    }
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert a["loss"] != 0.0
+    torch.testing.assert_close(a["old"], b["old"], rtol=1e-5, atol=1e-5)
+    assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-5)
+    assert a["grads"].keys() == b["grads"].keys() and len(a["grads"]) > 10
+    for name, grad in b["grads"].items():
+        scale = float(grad.abs().max()) + 1e-12
+        assert float((a["grads"][name] - grad).abs().max()) / scale < 1e-4, name
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo", "gspo"])
+def test_packed_path_matches_trl_path_dense(dense_run: RunDir, tiny_model: Path, tmp_path: Path, loss: str) -> None:
+    trl_path = _loss_and_grads(dense_run, tiny_model, tmp_path / "a", loss=loss, padding_free=False)
+    packed = _loss_and_grads(dense_run, tiny_model, tmp_path / "b", loss=loss, share_prefixes=False)
+    shared = _loss_and_grads(dense_run, tiny_model, tmp_path / "c", loss=loss)
+    _assert_same(packed, trl_path)
+    _assert_same(shared, trl_path)
+    # packing drops the padding; sharing drops the forks' repeated prefixes on top
+    assert shared["forward_tokens"] < packed["forward_tokens"] < trl_path["forward_tokens"]
+
+
+def test_packed_path_matches_trl_path_moe_with_replay(moe_run: RunDir, tiny_moe_model: Path, tmp_path: Path) -> None:
+    trl_path = _loss_and_grads(moe_run, tiny_moe_model, tmp_path / "a", routing_replay="on", padding_free=False)
+    shared = _loss_and_grads(moe_run, tiny_moe_model, tmp_path / "b", routing_replay="on")
+    _assert_same(shared, trl_path)
+    assert any("router" in n or "gate" in n for n in shared["grads"])  # the aux loss and replay reach the router
+
+
+def test_fork_prefix_is_packed_once() -> None:
+    prompt = torch.arange(100, 140)
+    forks = [torch.cat([prompt, torch.arange(k * 10, k * 10 + 5 + k)]) for k in range(3)]
+    other = torch.arange(500, 530)
+    rows = [*forks, other]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    packed = pack(ids, mask, [0, 0, 0, 1])
+    assert packed.length == 40 + 5 + 6 + 7 + 30
+    first, second = packed.documents
+    assert (first.prefix, [n for _, n in first.branches]) == (40, [5, 6, 7])
+    assert (second.prefix, second.branches) == (30, ())
+    for i, r in enumerate(rows):  # every real position maps to its token, at its own position id
+        at = packed.source[i, : len(r)]
+        assert torch.equal(packed.input_ids[0, at], r)
+        assert torch.equal(packed.position_ids[0, at], torch.arange(len(r)))
+    assert torch.equal(packed.weight[0, :40], torch.full((40,), 3.0))
+    separate = pack(ids, mask, [0, 1, 2, 3])
+    assert separate.length == int(mask.sum())
+
+
+def _accumulated_grads(trainer: Any, batch: list[int]) -> dict[str, torch.Tensor]:
+    rows = [{"seq": i} for i in batch]
+    trainer.current_gradient_accumulation_steps = trainer.steps_per_generation
+    for _ in range(trainer.steps_per_generation):
+        trainer.training_step(trainer.model, rows)
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo"])
+def test_token_budget_micro_batches_give_the_full_batch_update(
+    dense_run: RunDir, tiny_model: Path, tmp_path: Path, loss: str
+) -> None:
+    data = load_step(dense_run)
+    budget = max(len(s) for s in data.sequences) * 2
+    one, batch = _trainer(dense_run, tiny_model, tmp_path / "a", loss=loss)
+    cut, _ = _trainer(dense_run, tiny_model, tmp_path / "b", loss=loss, max_tokens_per_micro_batch=budget)
+    assert one.steps_per_generation == 1
+    assert cut.steps_per_generation == token_micro_batches(data, [batch], budget) >= 3
+    a, b = _accumulated_grads(one, batch), _accumulated_grads(cut, batch)
+    for name, grad in a.items():
+        assert float((b[name] - grad).abs().max()) <= 1e-4 * (float(grad.abs().max()) + 1e-12), name
+    pieces = cut._buffered_inputs
+    widths = [int(p["prompt_ids"].shape[1] + p["completion_mask"].sum(-1).sum()) for p in pieces]
+    assert max(widths) <= budget
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(
+    dense_run: RunDir, moe_run: RunDir, tiny_model: Path, tiny_moe_model: Path, tmp_path: Path, moe: bool
+) -> None:
+    run, model = (moe_run, tiny_moe_model) if moe else (dense_run, tiny_model)
+    grads = []
+    for checkpointing in (False, True):
+        trainer, batch = _trainer(run, model, tmp_path / str(checkpointing), micro_batches=2)
+        if checkpointing:
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _perturb(trainer.model)  # the old logprobs come from this policy too: ratios 1, gradients non-zero
+        grads.append(_accumulated_grads(trainer, batch))
+    for name, grad in grads[0].items():
+        assert float((grads[1][name] - grad).abs().max()) <= 1e-4 * (float(grad.abs().max()) + 1e-12), name
