@@ -11,13 +11,29 @@ importance weights and fidelity metrics (one extra no-grad forward) where plain 
 
 tokens/s counts real (non-padding) tokens per update over wall time.
 
+``--sweep`` measures cost against work on coding-agent-shaped segments (10% prompt, then sampled
+turns of 48 tokens between ~900-token tool outputs: ~5% of the tokens sampled): one group of two
+segments, one update, for each segment length and vocabulary (the tiny model's 8,192 and a tiny
+Qwen3 with Qwen3's 151,936-token embedding), legorl and plain TRL each in a fresh subprocess
+(fixed seeds) so that each peak is its own: peak memory is the subprocess's RSS high-water mark
+(``ru_maxrss``: everything the process touched, weights and optimizer included; ``+train`` is the
+rise over the RSS just before ``train()``). A run that exceeds ``--mem-cap-gb`` of address space
+(RLIMIT_AS) or is killed is reported as OOM. A fork-heavy trial (three rewrite segments of one
+prompt, two trials) is timed with legorl's padded path (``padding_free=False``: the path before
+packing) and the packed one.
+
     python benchmarks/train.py [--groups 4] [--group-size 4] [--updates 3] [--threads 1] [--model DIR]
+    python benchmarks/train.py --sweep [--quick] [--lengths 1024,4096,16384,32768] [--vocabs 8192,151936]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,11 +70,42 @@ def make_data(groups: int, group_size: int, vocab: int, seed: int = 0) -> Any:
     return data
 
 
-def run_legorl(model_dir: Path, data: Any, updates: int, out: Path) -> tuple[float, int, float]:
+def agent_data(length: int, vocab: int, trials: int = 2, forks: int = 1, seed: int = 0) -> Any:
+    """One group of ``trials`` trials; each is ``forks`` segments of ``length`` tokens. A segment is a
+    10% prompt, then 48 sampled tokens per ~950 (the rest tool output); forks share all but their
+    last turn (a rewritten history: same prefix, own final sampled turn)."""
+    from legorl.training.data import StepData, TrainSequence, Trial
+
+    rng = np.random.default_rng(seed)
+    data = StepData(step=0, trials=[], sequences=[])
+    for k in range(trials):
+        ids = rng.integers(0, vocab, length).astype(np.int64)
+        mask = np.zeros(length, dtype=np.float32)
+        prompt = max(length // 10, 16)
+        for start in range(prompt, length, 950):
+            mask[start : start + 48] = 1
+        tail = length - 96 if forks > 1 else length  # each fork's own last turn: 96 sampled tokens
+        trial = Trial(f"g0/s{k}", "g0", "bench", float(k % 2), False)
+        for f in range(forks):
+            seg_ids, seg_mask = ids.copy(), mask.copy()
+            if forks > 1:
+                seg_ids[tail:] = rng.integers(0, vocab, length - tail)
+                seg_mask[:tail] = 0
+                seg_mask[tail:] = 1
+            trial.sequences.append(len(data.sequences))
+            data.sequences.append(TrainSequence(
+                trial.trial_id, trial.group_id, "bench", f, "main" if f == 0 else "rewrite", seg_ids, seg_mask,
+                np.where(seg_mask > 0, -2.0, 0.0).astype(np.float32), None, trial.reward,
+            ))
+        data.trials.append(trial)
+    return data
+
+
+def run_legorl(model_dir: Path, data: Any, updates: int, out: Path, **options: Any) -> tuple[float, int, float]:
     from legorl.stages.train import _build_trainer, prepare
     from legorl.training.config import TrainConfig
 
-    config = TrainConfig(learning_rate=1e-5)
+    config = TrainConfig(learning_rate=1e-5, **options)
     prepare(data, config)
     batch = [i for t in data.trials for i in t.sequences]
     trainer = _build_trainer(model_dir, out, data, [batch] * updates, config, None, [])
@@ -66,7 +113,7 @@ def run_legorl(model_dir: Path, data: Any, updates: int, out: Path) -> tuple[flo
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    return wall, trainer.trained_tokens, 1.0 - trainer.trained_tokens / trainer.padded_tokens
+    return wall, trainer.trained_tokens, trainer.padding_tokens / max(trainer.forward_tokens, 1)
 
 
 def run_plain_trl(model_dir: Path, data: Any, group_size: int, updates: int, out: Path) -> tuple[float, int, float]:
@@ -122,24 +169,147 @@ def run_plain_trl(model_dir: Path, data: Any, group_size: int, updates: int, out
     return wall, stats["real"], 1.0 - stats["real"] / stats["padded"]
 
 
+def tiny_model_dir() -> Path:
+    from legorl.models import MODEL_RECIPE_VERSION, init_model
+    from legorl.paths import cache_dir
+
+    model_dir = cache_dir() / "test-models" / f"dense-v{MODEL_RECIPE_VERSION}"
+    if not (model_dir / "config.json").exists():
+        init_model(model_dir, moe=False, size="tiny", seed=0)
+    return model_dir
+
+
+def wide_model_dir(vocab: int) -> Path:
+    """The tiny model's architecture with a ``vocab``-token embedding (tied head), random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from legorl.paths import cache_dir
+
+    tiny = tiny_model_dir()
+    if vocab == AutoConfig.from_pretrained(tiny).vocab_size:
+        return tiny
+    out = cache_dir() / "bench-models" / f"dense-vocab{vocab}"
+    if not (out / "config.json").exists():
+        config = AutoConfig.from_pretrained(tiny)
+        config.vocab_size = vocab
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+        AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+    return out
+
+
+def _rss_gb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1e6
+    return float("nan")
+
+
+def child(spec: dict[str, Any]) -> None:
+    """One measured run (its own process, so its peak is its own); prints one JSON line."""
+    cap = int(spec["mem_cap_gb"] * 1e9)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    model_dir = Path(spec["model"])
+    data = agent_data(spec["length"], spec["vocab"], trials=spec["trials"], forks=spec["forks"])
+    base = _rss_gb()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            if spec["trainer"] == "trl":
+                wall, tokens, waste = run_plain_trl(model_dir, data, spec["trials"], 1, Path(tmp))
+            else:
+                wall, tokens, waste = run_legorl(model_dir, data, 1, Path(tmp), **spec["options"])
+        except (MemoryError, RuntimeError) as e:
+            if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
+                raise
+            print(json.dumps({"oom": True, "error": str(e)[:200]}))
+            return
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    print(json.dumps({"wall": wall, "tokens": tokens, "waste": waste, "peak_gb": peak, "base_gb": base}))
+
+
+def measure(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"timeout": True}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        oom = done.returncode in (-9, 137) or "alloc" in done.stderr.lower() or "MemoryError" in done.stderr
+        return {"oom": True} if oom else {"error": done.stderr.strip().splitlines()[-1:] or [str(done.returncode)]}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def _cell(r: dict[str, Any]) -> str:
+    if r.get("oom"):
+        return f"{'OOM':>27s}"
+    if r.get("timeout"):
+        return f"{'timeout':>27s}"
+    if "error" in r:
+        return f"{'error':>27s}"
+    return f"{r['peak_gb']:7.2f}{r['peak_gb'] - r['base_gb']:7.2f}{r['tokens'] / r['wall']:8.0f}{r['wall']:5.0f}"
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
+    if not all("wall" in r for r in (a, b)):
+        return f"{'-':>15s}"
+    mem = b["peak_gb"] / a["peak_gb"]
+    speed = (a["tokens"] / a["wall"]) / (b["tokens"] / b["wall"])
+    return f"{mem:7.1f}x{speed:7.2f}x"
+
+
+def sweep(args: argparse.Namespace) -> None:
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
+        [1024, 4096] if args.quick else [1024, 4096, 16384, 32768])
+    vocabs = [int(x) for x in args.vocabs.split(",")]
+    base = {"threads": args.threads, "mem_cap_gb": args.mem_cap_gb, "trials": 2, "forks": 1}
+    print(f"sweep: one group of 2 segments, 1 update, {args.threads} thread(s), address-space cap "
+          f"{args.mem_cap_gb:g} GB; peak = RSS high-water (GB), +train = over the RSS before train()")
+    print(f"{'':14s}{'legorl: peak +train tok/s    s':>27s}{'plain TRL: peak +train tok/s s':>32s}"
+          f"{'mem less  faster':>18s}")
+    for vocab in vocabs:
+        model = str(wide_model_dir(vocab))
+        for length in lengths:
+            spec = {**base, "model": model, "vocab": vocab, "length": length}
+            ours = measure({**spec, "trainer": "legorl", "options": {}}, args.timeout)
+            trl = measure({**spec, "trainer": "trl", "options": {}}, args.timeout)
+            print(f"{f'V={vocab // 1000}k T={length // 1024}k':14s}{_cell(ours)}  {_cell(trl)}   {_ratio(ours, trl)}",
+                  flush=True)
+    length = 1920
+    spec = {**base, "model": str(wide_model_dir(vocabs[0])), "vocab": vocabs[0], "length": length, "forks": 3,
+            "trainer": "legorl"}
+    padded = measure({**spec, "options": {"padding_free": False}}, args.timeout)
+    packed = measure({**spec, "options": {}}, args.timeout)
+    print(f"forks: 2 trials x 3 rewrite segments of {length} tokens (96 sampled each), V={vocabs[0] // 1000}k")
+    print(f"{'padded path':14s}{_cell(padded)}\n{'packed+shared':14s}{_cell(packed)}   {_ratio(packed, padded)}")
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(json.loads(sys.argv[2]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny one)")
+    parser.add_argument("--sweep", action="store_true", help="cost against work over segment length and vocabulary")
+    parser.add_argument("--quick", action="store_true", help="with --sweep: lengths 1k and 4k only")
+    parser.add_argument("--lengths", default="", help="with --sweep: comma-separated segment lengths")
+    parser.add_argument("--vocabs", default="8192,151936", help="with --sweep: comma-separated vocabulary sizes")
+    parser.add_argument("--mem-cap-gb", type=float, default=16.0, help="with --sweep: address-space cap per run")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="with --sweep: seconds per run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.sweep:
+        sweep(args)
+        return
 
-    model_dir = args.model
-    if model_dir is None:
-        from legorl.models import init_model
-        from legorl.paths import cache_dir
-
-        model_dir = cache_dir() / "test-models" / "dense"
-        if not (model_dir / "config.json").exists():
-            init_model(model_dir, moe=False, size="tiny", seed=0)
+    model_dir = args.model or tiny_model_dir()
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
