@@ -10,27 +10,49 @@ import typer
 from legorl.cli.common import JsonOption, console, print_json
 
 
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_value(v)}" for k, v in value.items()) or "-"
+    return str(value)
+
+
+def _breakdown(d: dict[str, Any]) -> str:
+    """One dataset's breakdown as short "key: value" parts (a metrics dataset: its headline figures)."""
+    from legorl import metric_keys as mk
+
+    breakdown = dict(d["breakdown"])
+    last = breakdown.pop("last", None)
+    parts = [f"{key.replace('_', ' ')}: {_value(value)}" for key, value in breakdown.items()]
+    if isinstance(last, dict):
+        parts += [f"{key} {_value(last[key])}" for key in mk.HEADLINE if key in last]
+    return " · ".join(parts)
+
+
 def _render(summary: dict[str, Any]) -> None:
+    """A narrow table (one row per dataset), then each dataset's breakdown as wrapped lines: it reads
+    the same in an 80-column terminal, a pipe and a CI log."""
+    from rich import box
+    from rich.padding import Padding
     from rich.table import Table
 
-    table = Table(title=f"legorl inspect {summary['path']}", title_justify="left")
-    for column in ("dataset", "kind", "files", "rows", "dup keys", "schema", "breakdown"):
-        table.add_column(column, overflow="fold")
-    for d in summary["datasets"]:
-        parts = []
-        for key, value in d["breakdown"].items():
-            if isinstance(value, dict):
-                value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
-            elif isinstance(value, float):
-                value = f"{value:.3f}"
-            parts.append(f"[bold]{key}[/]: {value}")
-        dup = f"[yellow]{d['duplicate_keys']}[/]" if d["duplicate_keys"] else "0"
-        schema = ",".join(f"v{v}" for v in d["schema_versions"])
-        table.add_row(d["name"], d["kind"], str(d["files"]), str(d["rows"]), dup, schema, "\n".join(parts))
-    if summary["datasets"]:
-        console.print(table)
+    console.print(f"[bold]legorl inspect[/] {summary['path']}", highlight=False, soft_wrap=True)
+    if not summary["datasets"]:
+        console.print(f"no datasets under {summary['path']}", highlight=False, soft_wrap=True)
     else:
-        console.print(f"no datasets under {summary['path']}")
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in ("dataset", "kind", "files", "rows", "dup keys", "schema"):
+            table.add_column(column, justify="right" if column in ("files", "rows", "dup keys") else "left")
+        for d in summary["datasets"]:
+            dup = f"[yellow]{d['duplicate_keys']}[/]" if d["duplicate_keys"] else "0"
+            schema = ",".join(f"v{v}" for v in d["schema_versions"])
+            table.add_row(d["name"], d["kind"], str(d["files"]), str(d["rows"]), dup, schema)
+        console.print(table)
+        for d in summary["datasets"]:
+            if d["breakdown"]:
+                console.print(f"[bold]{d['name']}[/]", highlight=False)
+                console.print(Padding(_breakdown(d), (0, 0, 0, 2)), highlight=False)
     for error in summary["errors"]:
         console.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
 

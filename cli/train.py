@@ -53,9 +53,6 @@ def register(app: typer.Typer) -> None:
             f"step {result.step}: {result.trials} trials, {result.sequences} sequences, {result.updates} updates"
             f" -> {result.checkpoint}"
         )
-        shown = [mk.REWARD_MEAN, mk.SOLVE_RATE, mk.ZERO_VARIANCE_SHARE, mk.LOSS, mk.ENTROPY,
-                 mk.LOGPROB_PEARSON, mk.MISMATCH_KL, mk.IS_ESS, mk.CLIP_FRACTION, mk.GRAD_NORM,
-                 mk.PERF_TOKENS_PER_S]
-        console.print("  " + "  ".join(f"{k}={m[k]:.4g}" for k in shown if k in m), highlight=False)
+        console.print("  " + "  ".join(f"{k}={m[k]:.4g}" for k in mk.HEADLINE if k in m), highlight=False)
         if result.dropped:
             console.print(f"  dropped: {result.dropped}", highlight=False)

@@ -58,6 +58,12 @@ PERF_WALL_S: Final = "perf/wall_s"
 UPDATES: Final = "updates"
 
 # The figures of the fidelity panel (dashboard) and table (health summary), in display order.
+# What a one-line summary of a training step shows (`legorl train`, `legorl inspect`), in this order.
+HEADLINE: Final[tuple[str, ...]] = (
+    REWARD_MEAN, SOLVE_RATE, ZERO_VARIANCE_SHARE, LOSS, ENTROPY, LOGPROB_PEARSON, MISMATCH_KL, IS_ESS,
+    CLIP_FRACTION, GRAD_NORM, PERF_TOKENS_PER_S,
+)
+
 FIDELITY_PANEL: Final[dict[str, str]] = {
     LOGPROB_PEARSON: "rollout vs trainer logprob correlation",
     MISMATCH_KL: "KL(rollout ‖ trainer) on sampled tokens",

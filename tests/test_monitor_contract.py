@@ -73,3 +73,22 @@ def test_dashboard_fidelity_panel_has_the_trainer_series(faithful: RunDir) -> No
             "steps": [0], "values": [written[mk.LOGPROB_PEARSON, harness]]}
     assert ov["zero_variance_metric"]["all"] == {"steps": [0], "values": [written[mk.ZERO_VARIANCE_SHARE, None]]}
     assert not set(ov["fidelity"]) & set(ov["other_metrics"])
+
+
+def test_inspect_reads_at_80_columns_in_a_pipe(faithful: RunDir) -> None:
+    """`legorl inspect` piped (no TTY) at 80 columns: every line fits, no label is cut, the
+    trainer's headline figures are there by their real keys."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    out = subprocess.run([sys.executable, "-m", "legorl.cli", "inspect", str(faithful.root)], env=env,
+                         capture_output=True, text=True, check=True)
+    lines = (out.stdout + out.stderr).splitlines()
+    assert all(len(line.rstrip()) <= 80 for line in lines), max(lines, key=len)
+    text = "\n".join(lines)
+    assert "…" not in text
+    for key in (mk.LOGPROB_PEARSON, mk.MISMATCH_KL, mk.IS_ESS, mk.REWARD_MEAN):
+        assert key in text, key
+    assert len(lines) < 60  # one row per dataset, a few lines of breakdown each, the health panel

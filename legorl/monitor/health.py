@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rich.columns import Columns
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
@@ -185,8 +186,8 @@ def health_renderable(summary: dict[str, Any]) -> RenderableType:
     for cat, count in summary["outcomes_latest_step"].items():
         out.add_row(cat, str(count))
 
-    columns = Table.grid(padding=(0, 4))
-    columns.add_row(fid, beh, out)
+    # side by side when they fit, one under another in a narrow terminal (never truncated labels)
+    columns = Columns([fid, beh, out], padding=(1, 4))
     parts: list[RenderableType] = [top, Text(""), columns]
     if summary["warnings"]:
         parts.append(Text(""))
