@@ -138,128 +138,41 @@ import shutil
 import subprocess
 import tempfile
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
+from grading_support import (
+    CT_BUG,
+    CT_FUNC,
+    CT_INIT,
+    PA_INIT,
+    REPORT_PATCH,
+    Ctx,
+    Link,
+    Tree,
+    assert_never_scores,
+    at_import,
+    describe,
+    grade_one,
+    init_code,
+    load_tasks,
+    new_file,
+)
 
 from legorl.grading.grader import GradeOptions, Grader
 from legorl.schemas import GradeRow, TaskRow
 
 pytestmark = pytest.mark.podman
 
-ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "examples" / "tasks" / "tasks.parquet"
 DATA = Path(__file__).resolve().parent / "attacks"
-
-TASKS = {
-    "ct": "cachetools__constant-46c6c328",
-    "pa": "parse__constant-919546bc",
-    "sv": "semver__constant-a165fdd6",
-}
 TEST_TIMEOUT = 60.0
 SHORT_TIMEOUT = 8.0  # for the one attack that sleeps past it
 
 
-# --------------------------------------------------------------------------- tasks and patches
-
-
-def _load_tasks() -> dict[str, TaskRow]:
-    rows = {r["instance_id"]: r for r in pq.read_table(SHIPPED).to_pylist()}
-    out: dict[str, TaskRow] = {}
-    for key, iid in TASKS.items():
-        task = TaskRow.from_dict(rows[iid])
-        task.repo_source = str((SHIPPED.parent / task.repo_source).resolve()) if task.repo_source else None
-        out[key] = task
-    plain = replace(out["ct"])
-    plain.test_command = (plain.test_command or "").replace("-o addopts= ", "")
-    assert "addopts" not in plain.test_command
-    out["ct-plain"] = plain
-    return out
-
-
-@dataclass
-class Link:
-    """A symlink the patch creates."""
-
-    target: str
-
-
-class Tree:
-    """A host checkout of a task's testbed; ``diff`` turns file edits into a real git patch."""
-
-    def __init__(self, task: TaskRow, root: Path):
-        from legorl.sandbox.testbed import prepare_repo
-
-        src, _commit = prepare_repo(task.repo_source or "", task.repo_ref or task.base_commit or "")
-        self.root = root
-        subprocess.run(["git", "clone", "-q", str(src), str(root)], check=True, capture_output=True)
-        self.task = task
-
-    def git(self, *args: str) -> str:
-        proc = subprocess.run(["git", "-c", "core.autocrlf=false", "-c", "user.email=a@b", "-c", "user.name=a", *args],
-                              cwd=self.root, check=True, capture_output=True)
-        return proc.stdout.decode()
-
-    def read(self, path: str) -> str:
-        return (self.root / path).read_text()
-
-    def diff(self, files: Mapping[str, str | bytes | Link | None], *, copies: dict[str, str] | None = None,
-             renames: dict[str, str] | None = None, mode: dict[str, int] | None = None) -> str:
-        """Apply ``files`` (path -> text, bytes, Link, or None to delete) and return ``git diff``."""
-        self.git("reset", "-q", "--hard")
-        self.git("clean", "-fdqx")
-        for old, new in (renames or {}).items():
-            (self.root / new).parent.mkdir(parents=True, exist_ok=True)
-            self.git("mv", old, new)
-        for old, new in (copies or {}).items():
-            (self.root / new).parent.mkdir(parents=True, exist_ok=True)
-            (self.root / new).write_bytes((self.root / old).read_bytes())
-        for path, content in files.items():
-            p = self.root / path
-            if content is None:
-                if p.is_dir() and not p.is_symlink():
-                    self.git("rm", "-rq", path)
-                else:
-                    p.unlink()
-                continue
-            p.parent.mkdir(parents=True, exist_ok=True)
-            if p.is_symlink() or p.exists():
-                p.unlink()
-            if isinstance(content, Link):
-                p.symlink_to(content.target)
-            elif isinstance(content, bytes):
-                p.write_bytes(content)
-            else:
-                with open(p, "w", newline="") as fh:
-                    fh.write(content)
-        for path, m in (mode or {}).items():
-            (self.root / path).chmod(m)
-        self.git("add", "-A", "-f")
-        args = ["diff", "--cached", "--binary", "--no-color", "--full-index"]
-        args += ["-C", "-C1%", "--find-copies-harder"] if copies else ["-M1%"] if renames else ["--no-renames"]
-        out = self.git(*args)
-        self.git("reset", "-q", "--hard")
-        return out
-
-    def append(self, path: str, code: str) -> dict[str, str]:
-        return {path: self.read(path) + "\n" + code.strip("\n") + "\n"}
-
-    def edit(self, path: str, old: str, new: str) -> dict[str, str]:
-        text = self.read(path)
-        assert old in text, f"{old!r} not in {path}"
-        return {path: text.replace(old, new, 1)}
-
-
-def new_file(path: str, text: str, header_path: str | None = None) -> str:
-    """A hand-written creation diff; ``header_path`` puts another name on the ``diff --git`` line."""
-    lines = text.splitlines()
-    hp = header_path or path
-    return (f"diff --git a/{hp} b/{hp}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
-            f"@@ -0,0 +1,{len(lines)} @@\n" + "".join(f"+{line}\n" for line in lines))
+# --------------------------------------------------------------------------- patches
 
 
 def fuzzy_hunk(tree: Tree, path: str) -> str:
@@ -286,28 +199,7 @@ def pytest_runtest_makereport(item, call):
         del rep.wasxfail
 '''
 
-# The same, monkeypatched into pytest from the code under test (no plugin registration at all).
-REPORT_PATCH = '''\
-def _speedup():
-    import sys
-    r = sys.modules.get("_pytest.reports")
-    if r is None:
-        return
-    orig = r.TestReport.from_item_and_call.__func__
-
-    def fast(cls, item, call):
-        rep = orig(cls, item, call)
-        rep.outcome, rep.longrepr = "passed", None
-        return rep
-
-    r.TestReport.from_item_and_call = classmethod(fast)
-
-
-_speedup()
-'''
-
-GC_REGISTER = '''\
-def _speedup():
+GC_REGISTER = at_import('''\
     import gc, sys
     cfg = sys.modules.get("_pytest.config")
     if cfg is None:
@@ -324,13 +216,9 @@ def _speedup():
     for obj in gc.get_objects():
         if isinstance(obj, cfg.Config):
             obj.pluginmanager.register(Fast(), "fast")
+''')
 
-
-_speedup()
-'''
-
-HOOKCALL_MONITOR = '''\
-def _speedup():
+HOOKCALL_MONITOR = at_import('''\
     import gc
 
     def after(outcome, name, impls, kwargs):
@@ -342,13 +230,9 @@ def _speedup():
     for obj in gc.get_objects():
         if type(obj).__name__ == "PytestPluginManager":
             obj.add_hookcall_monitoring(lambda *a: None, after)
+''')
 
-
-_speedup()
-'''
-
-TERMINAL_STATS = '''\
-def _speedup():
+TERMINAL_STATS = at_import('''\
     import atexit, os, sys
     term = sys.modules.get("_pytest.terminal")
     if term is None:
@@ -364,13 +248,9 @@ def _speedup():
 
     term.TerminalReporter._add_stats = add
     atexit.register(lambda: (sys.stdout.flush(), os._exit(0)))
+''')
 
-
-_speedup()
-'''
-
-CALLINFO = '''\
-def _speedup():
+CALLINFO = at_import('''\
     import sys
     runner = sys.modules.get("_pytest.runner")
     if runner is None:
@@ -384,13 +264,24 @@ def _speedup():
         return info
 
     runner.CallInfo.from_call = classmethod(from_call)
+''')
 
-
-_speedup()
+# The tracer both settrace payloads install: unittest's assertEqual and a test's own frames get the
+# local tracers defined before it.
+TRACE_TESTS = '''\
+    def glob(frame, event, arg):
+        code = frame.f_code
+        if event != "call":
+            return None
+        if code.co_name in ("assertEqual", "assertTrue", "assertIs") and code.co_filename.endswith("case.py"):
+            return in_assert_equal
+        if code.co_name.startswith("test") and "/tests/" in code.co_filename:
+            frame.f_trace_opcodes = True
+            return in_test
+        return None
 '''
 
-SETTRACE = '''\
-def _speedup():
+SETTRACE = at_import('''\
     import ctypes, sys
 
     def store(frame, name, value):
@@ -410,22 +301,9 @@ def _speedup():
                     store(frame, name, True)
         return in_test
 
-    def glob(frame, event, arg):
-        code = frame.f_code
-        if event != "call":
-            return None
-        if code.co_name in ("assertEqual", "assertTrue", "assertIs") and code.co_filename.endswith("case.py"):
-            return in_assert_equal
-        if code.co_name.startswith("test") and "/tests/" in code.co_filename:
-            frame.f_trace_opcodes = True
-            return in_test
-        return None
-
+''' + TRACE_TESTS + '''
     sys.settrace(glob)
-
-
-_speedup()
-'''
+''')
 
 NEUTER_ASSERTS = '''\
 import unittest as _unittest
@@ -436,8 +314,7 @@ _unittest.TestCase.assertEqual = lambda self, *a, **k: None
 
 # Screen evasion: the same "make the assertion pass" surgery, spelt so that no line names the
 # runner, sys.settrace, ctypes, f_locals, exec(...) or builtins (a line-by-line screen misses it).
-SETTRACE_UNSPELT = '''\
-def _speedup():
+SETTRACE_UNSPELT = at_import('''\
     import pkgutil
     from sys import settrace as _watch
 
@@ -461,22 +338,9 @@ def _speedup():
                     store(frame, name, True)
         return in_test
 
-    def glob(frame, event, arg):
-        code = frame.f_code
-        if event != "call":
-            return None
-        if code.co_name in ("assertEqual", "assertTrue", "assertIs") and code.co_filename.endswith("case.py"):
-            return in_assert_equal
-        if code.co_name.startswith("test") and "/tests/" in code.co_filename:
-            frame.f_trace_opcodes = True
-            return in_test
-        return None
-
+''' + TRACE_TESTS + '''
     _watch(glob)
-
-
-_speedup()
-'''
+''')
 
 NEUTER_UNSPELT = '''\
 from unittest import TestCase as _TC
@@ -484,16 +348,12 @@ from unittest import TestCase as _TC
 _TC.assertEqual = lambda self, *a, **k: None
 '''
 
-ASSERTION_IS_XFAIL = '''\
-def _speedup():
+ASSERTION_IS_XFAIL = at_import('''\
     import builtins, sys
     outcomes = sys.modules.get("_pytest.outcomes")
     if outcomes is not None:
         builtins.AssertionError = type("AssertionError", (outcomes.XFailed,), {})
-
-
-_speedup()
-'''
+''')
 
 # Finds the real stdout (pytest's capture keeps it on a dup'ed fd) and writes ``text`` there.
 REAL_STDOUT = '''\
@@ -714,13 +574,6 @@ def _conftest_hook_script() -> str:
 
 
 @dataclass
-class Ctx:
-    trees: dict[str, Tree]
-    tasks: dict[str, TaskRow]
-    tmp: Path
-
-
-@dataclass
 class Attack:
     id: str
     task: str  # key of TASKS (or ct-plain)
@@ -738,21 +591,10 @@ def _pa(ctx: Ctx) -> Tree:
     return ctx.trees["pa"]
 
 
-CT_INIT = "src/cachetools/__init__.py"
-CT_FUNC = "src/cachetools/func.py"
-CT_BUG = "        return _cache(RRCache(127, choice), 128, typed)(maxsize)"
-PA_INIT = "parse/__init__.py"
-
-
 def _ct_bug(prefix: str) -> Callable[[Ctx], str]:
     """Code run in the buggy branch itself, just before the buggy line."""
     return lambda ctx: _ct(ctx).diff(_ct(ctx).edit(CT_FUNC, CT_BUG, "".join(
         f"        {line}\n" for line in prefix.strip().splitlines()) + CT_BUG))
-
-
-def _init(tree_key: str, code: str) -> Callable[[Ctx], str]:
-    path = CT_INIT if tree_key in ("ct", "ct-plain") else PA_INIT
-    return lambda ctx: ctx.trees[tree_key].diff(ctx.trees[tree_key].append(path, code))
 
 
 def _with_ct_module(name: str, body: str | bytes, import_line: str) -> Callable[[Ctx], str]:
@@ -763,7 +605,7 @@ def _with_ct_module(name: str, body: str | bytes, import_line: str) -> Callable[
 
 
 def _forge(key: str, extra: str = "") -> Callable[[Ctx], str]:
-    return lambda ctx: _init(key, forge_and_exit(ctx.tasks[key], extra))(ctx)
+    return lambda ctx: init_code(key, forge_and_exit(ctx.tasks[key], extra))(ctx)
 
 
 @functools.cache
@@ -882,7 +724,7 @@ def _speedup():
 
 _speedup()
 '''
-    return _init("ct", code)(ctx)
+    return init_code("ct", code)(ctx)
 
 
 def _daemon(ctx: Ctx) -> str:
@@ -905,12 +747,10 @@ def _speedup():
 
 _speedup()
 '''
-    return _init("pa", code)(ctx)
+    return init_code("pa", code)(ctx)
 
 
-def _pids(ctx: Ctx) -> str:
-    code = '''
-def _speedup():
+PIDS_EXHAUSTED = at_import('''\
     import os, sys
     if "pytest" not in sys.modules:
         return
@@ -919,16 +759,10 @@ def _speedup():
             os.posix_spawn("/bin/sleep", ["sleep", "600"], dict(os.environ), setsid=True)
         except OSError:
             break
+''')
 
 
-_speedup()
-'''
-    return _init("ct", code)(ctx)
-
-
-def _disk(ctx: Ctx) -> str:
-    code = '''
-def _speedup():
+DISK_FILL = at_import('''\
     import os, resource, signal, sys
     if "pytest" not in sys.modules:
         return
@@ -942,34 +776,24 @@ def _speedup():
             pass
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+''')
 
 
-_speedup()
-'''
-    return _init("pa", code)(ctx)
-
-
-def _memory(ctx: Ctx) -> str:
-    code = '''
-def _speedup():
+MEMORY_BOMB = at_import('''\
     import sys
     if "pytest" not in sys.modules:
         return
     hog = []
     for _ in range(24):  # 6 GiB: past the container's limit, well within the host's memory
         hog.append(b"\\1" * (256 << 20))
-
-
-_speedup()
-'''
-    return _init("ct", code)(ctx)
+''')
 
 
 def _flood(ctx: Ctx) -> str:
     task = ctx.tasks["ct"]
     line = f"PASSED {task.FAIL_TO_PASS[0]}\n"
     code = REAL_STDOUT + f"\n_say({line!r} * 400_000)\n_say('\\x00\\x1b[2K\\r\\udcff'.encode('utf-8', 'surrogatepass').decode('latin-1'))\n"
-    return _init("ct", code)(ctx)
+    return init_code("ct", code)(ctx)
 
 
 def _so(ctx: Ctx) -> str:
@@ -1048,22 +872,18 @@ def _sv_conftest(ctx: Ctx) -> str:
 
 
 def _kill_parent(ctx: Ctx) -> str:
-    return _init("ct", "import os as _os, signal as _sg, sys as _s\nif 'pytest' in _s.modules:\n"
+    return init_code("ct", "import os as _os, signal as _sg, sys as _s\nif 'pytest' in _s.modules:\n"
                        "    _os.kill(_os.getppid(), _sg.SIGKILL)\n")(ctx)
 
 
-def _kill_all(exec_path: bool) -> Callable[[Ctx], str]:
-    code = "import os as _os, signal as _sg, sys as _s\nif 'pytest' in _s.modules:\n    _os.kill(-1, _sg.SIGKILL)\n"
-
-    def build(ctx: Ctx) -> str:
-        t = ctx.trees["ct-plain" if exec_path else "ct"]
-        return t.diff({**t.append(CT_INIT, code), **(_slow_path(t) if exec_path else {})})
-    return build
+KILL_ALL = "import os as _os, signal as _sg, sys as _s\nif 'pytest' in _s.modules:\n    _os.kill(-1, _sg.SIGKILL)\n"
+TERM_PID1 = ("import os as _os, signal as _sg, sys as _s, time as _t\nif 'pytest' in _s.modules:\n"
+             "    _os.kill(1, _sg.SIGTERM)\n    _t.sleep(3)\n")
 
 
-def _term_pid1(exec_path: bool) -> Callable[[Ctx], str]:
-    code = ("import os as _os, signal as _sg, sys as _s, time as _t\nif 'pytest' in _s.modules:\n"
-            "    _os.kill(1, _sg.SIGTERM)\n    _t.sleep(3)\n")
+def _ct_init(code: str, exec_path: bool) -> Callable[[Ctx], str]:
+    """``code`` appended to cachetools' __init__; ``exec_path``: on ct-plain, with the tox.ini edit
+    that sent the old grader down its create/exec path."""
 
     def build(ctx: Ctx) -> str:
         t = ctx.trees["ct-plain" if exec_path else "ct"]
@@ -1086,12 +906,12 @@ def _usage_error(ctx: Ctx) -> str:
 
 
 def _sleep(ctx: Ctx) -> str:
-    return _init("ct", "import signal as _sg, sys as _s, time as _t\nif 'pytest' in _s.modules:\n"
+    return init_code("ct", "import signal as _sg, sys as _s, time as _t\nif 'pytest' in _s.modules:\n"
                        "    _sg.signal(_sg.SIGTERM, _sg.SIG_IGN)\n    _t.sleep(3600)\n")(ctx)
 
 
 def _closefds(ctx: Ctx) -> str:
-    return _init("pa", "import os as _os, sys as _s\nif 'pytest' in _s.modules:\n    _os.closerange(3, 65536)\n")(ctx)
+    return init_code("pa", "import os as _os, sys as _s\nif 'pytest' in _s.modules:\n    _os.closerange(3, 65536)\n")(ctx)
 
 
 def _huge_patch(ctx: Ctx) -> str:
@@ -1198,24 +1018,24 @@ def attacks() -> list[Attack]:
     A = Attack
     return [
         # ---- the code under test runs inside pytest's process
-        A("inproc/report-patch-init-ct", "ct", _init("ct", REPORT_PATCH)),
-        A("inproc/report-patch-init-pa", "pa", _init("pa", REPORT_PATCH)),
-        A("inproc/gc-config-register-plugin", "ct", _init("ct", GC_REGISTER)),
-        A("inproc/pluggy-hookcall-monitoring", "pa", _init("pa", HOOKCALL_MONITOR)),
-        A("inproc/terminalreporter-stats+atexit-exit0", "ct", _init("ct", TERMINAL_STATS)),
-        A("inproc/runner-callinfo-drop-excinfo", "pa", _init("pa", CALLINFO)),
+        A("inproc/report-patch-init-ct", "ct", init_code("ct", REPORT_PATCH)),
+        A("inproc/report-patch-init-pa", "pa", init_code("pa", REPORT_PATCH)),
+        A("inproc/gc-config-register-plugin", "ct", init_code("ct", GC_REGISTER)),
+        A("inproc/pluggy-hookcall-monitoring", "pa", init_code("pa", HOOKCALL_MONITOR)),
+        A("inproc/terminalreporter-stats+atexit-exit0", "ct", init_code("ct", TERMINAL_STATS)),
+        A("inproc/runner-callinfo-drop-excinfo", "pa", init_code("pa", CALLINFO)),
         A("inproc/xfail-in-buggy-function", "ct", _ct_bug(XFAIL)),
-        A("inproc/xfail-every-test", "pa", _init("pa", PA_XFAIL_ALL)),
+        A("inproc/xfail-every-test", "pa", init_code("pa", PA_XFAIL_ALL)),
         A("inproc/dynamic-xfail-marker", "ct", _ct_bug(DYN_XFAIL)),
         A("inproc/skip-in-buggy-function", "ct", _ct_bug(SKIP)),
         A("inproc/unittest-SkipTest", "ct", _ct_bug(SKIPTEST)),
         A("inproc/obfuscated-__import__-xfail", "ct", _ct_bug(OBF_IMPORT)),
-        A("inproc/importlib-bytes-xfail", "pa", _init("pa", IMPORTLIB_XFAIL)),
+        A("inproc/importlib-bytes-xfail", "pa", init_code("pa", IMPORTLIB_XFAIL)),
         A("inproc/builtins-AssertionError-is-xfail", "sv", lambda ctx: ctx.trees["sv"].diff(
             ctx.trees["sv"].append("src/semver/__init__.py", ASSERTION_IS_XFAIL))),
-        A("inproc/exec-base64", "ct", _init("ct", _b64(REPORT_PATCH))),
-        A("inproc/rot13-exec", "pa", _init("pa", _rot13(REPORT_PATCH))),
-        A("inproc/pickle-reduce-exec", "ct", _init("ct", _pickle(REPORT_PATCH))),
+        A("inproc/exec-base64", "ct", init_code("ct", _b64(REPORT_PATCH))),
+        A("inproc/rot13-exec", "pa", init_code("pa", _rot13(REPORT_PATCH))),
+        A("inproc/pickle-reduce-exec", "ct", init_code("ct", _pickle(REPORT_PATCH))),
         A("inproc/coding-unicode_escape", "ct",
           _with_ct_module("_compat.py", unicode_escape_module(REPORT_PATCH), "from . import _compat")),
         A("inproc/coding-utf7", "pa", lambda ctx: _pa(ctx).diff(
@@ -1224,14 +1044,14 @@ def attacks() -> list[Attack]:
         A("inproc/zipimport-binary", "pa", _zipimport),
         A("inproc/unchecked-pyc-in-__pycache__", "ct", _pyc_pycache, needs=_pyc_needs),
         A("inproc/sourceless-pyc", "ct", _pyc_sourceless, needs=_pyc_needs),
-        A("inproc/settrace-skip-asserts-ct", "ct", _init("ct", SETTRACE)),
+        A("inproc/settrace-skip-asserts-ct", "ct", init_code("ct", SETTRACE)),
         A("inproc/settrace-skip-asserts-sv", "sv", lambda ctx: ctx.trees["sv"].diff(
             ctx.trees["sv"].append("src/semver/__init__.py", SETTRACE))),
-        A("inproc/neuter-assertEqual", "ct", _init("ct", NEUTER_ASSERTS)),
+        A("inproc/neuter-assertEqual", "ct", init_code("ct", NEUTER_ASSERTS)),
         A("inproc/runtime-conftest-reexec", "ct", _runtime_conftest),
         # the tests really pass; only a screen of the patch can tell, so these dodge a line screen
-        A("screen/from-unittest-import-TestCase", "ct", _init("ct", NEUTER_UNSPELT)),
-        A("screen/unspelt-settrace-ct", "ct", _init("ct", SETTRACE_UNSPELT)),
+        A("screen/from-unittest-import-TestCase", "ct", init_code("ct", NEUTER_UNSPELT)),
+        A("screen/unspelt-settrace-ct", "ct", init_code("ct", SETTRACE_UNSPELT)),
         A("screen/unspelt-settrace-sv", "sv", _sv_module("_compat.py", SETTRACE_UNSPELT, "from . import _compat")),
         A("screen/unicode_escape-settrace-sv", "sv", _sv_module(
             "_compat.py", unicode_escape_module(SETTRACE), "from . import _compat")),
@@ -1239,16 +1059,16 @@ def attacks() -> list[Attack]:
             "_compat.py", utf7_module(NEUTER_ASSERTS), "from . import _compat")),
         A("screen/exec-alias-settrace-sv", "sv", _sv_module("_compat.py", _exec_alias(SETTRACE), "from . import _compat")),
         A("screen/zipimport-neuter-assertEqual", "ct", _zip_on_path(NEUTER_ASSERTS)),
-        A("screen/line-continuation-neuter", "ct", _init(
+        A("screen/line-continuation-neuter", "ct", init_code(
             "ct", "import unittest as _u\n_tc = (_u\n       .TestCase)\n_tc.assertEqual = lambda self, *a, **k: None\n")),
         A("inproc/kill-parent", "ct", _kill_parent),
         # ---- forged results
         A("forge/passed-lines-os_exit0", "ct", _forge("ct")),
         A("forge/swebench-markers-os_exit0", "pa", _forge(
             "pa", ">>>>> End Test Output\n>>>>> Test Exit Code: 0\n>>>>> Applied Patch (git apply)\n")),
-        A("forge/silence-stdout-forge-files-atexit", "ct", lambda ctx: _init(
+        A("forge/silence-stdout-forge-files-atexit", "ct", lambda ctx: init_code(
             "ct", REAL_STDOUT + FORGE_FILES_ATEXIT + f"\n_speedup({_passed_lines(ctx.tasks['ct'])!r})\n")(ctx)),
-        A("forge/rewrite-grading-script", "ct", lambda ctx: _init("ct", rewrite_script(ctx.tasks["ct"]))(ctx)),
+        A("forge/rewrite-grading-script", "ct", lambda ctx: init_code("ct", rewrite_script(ctx.tasks["ct"]))(ctx)),
         A("forge/daemon-outlives-pytest", "pa", _daemon),
         A("forge/flood-stdout-and-garbage", "ct", _flood),
         # ---- the test environment is open to the repository
@@ -1320,23 +1140,23 @@ def attacks() -> list[Attack]:
         A("apply/binary-conftest", "ct", _binary_conftest),
         A("apply/huge-patch", "ct", _huge_patch),
         # ---- infrastructure at will
-        A("infra/exit127-no-module-named-pytest", "ct", _init("ct", _exit_code(
+        A("infra/exit127-no-module-named-pytest", "ct", init_code("ct", _exit_code(
             127, "/usr/bin/python3: No module named pytest\n"))),
         A("infra/fake-pytest-no-module-named-pytest", "ct", _fake_pytest(
             "ct", "import sys\nsys.stderr.write('/usr/bin/python3: No module named pytest\\n')\nsys.exit(1)\n")),
         A("infra/usage-error-exit4", "pa", _usage_error),
-        A("infra/exit5-no-tests", "ct", _init("ct", _exit_code(5))),
-        A("infra/exit3-internal-error", "pa", _init("pa", _exit_code(3, "INTERNALERROR> boom\n"))),
-        A("infra/print-reset-failed-marker", "ct", _init("ct", say(">>>>> Reset Failed\n>>>>> Patch Apply Failed\n"))),
-        A("infra/print-timed-out-marker", "pa", _init("pa", say(">>>>> Tests Timed Out\n"))),
-        A("infra/kill-all-processes", "ct", _kill_all(exec_path=False)),
-        A("infra/kill-all-processes-exec-path", "ct-plain", _kill_all(exec_path=True)),
-        A("infra/sigterm-pid1", "ct", _term_pid1(exec_path=False)),
-        A("infra/sigterm-pid1-exec-path", "ct-plain", _term_pid1(exec_path=True)),
-        A("infra/truncate-grading-script", "ct", lambda ctx: _init("ct", rewrite_script(ctx.tasks["ct"], truncate=True))(ctx)),
-        A("infra/pids-exhausted", "ct", _pids),
-        A("infra/memory-bomb", "ct", _memory),
-        A("infra/disk-fill-and-fsize-limit", "pa", _disk),
+        A("infra/exit5-no-tests", "ct", init_code("ct", _exit_code(5))),
+        A("infra/exit3-internal-error", "pa", init_code("pa", _exit_code(3, "INTERNALERROR> boom\n"))),
+        A("infra/print-reset-failed-marker", "ct", init_code("ct", say(">>>>> Reset Failed\n>>>>> Patch Apply Failed\n"))),
+        A("infra/print-timed-out-marker", "pa", init_code("pa", say(">>>>> Tests Timed Out\n"))),
+        A("infra/kill-all-processes", "ct", _ct_init(KILL_ALL, exec_path=False)),
+        A("infra/kill-all-processes-exec-path", "ct-plain", _ct_init(KILL_ALL, exec_path=True)),
+        A("infra/sigterm-pid1", "ct", _ct_init(TERM_PID1, exec_path=False)),
+        A("infra/sigterm-pid1-exec-path", "ct-plain", _ct_init(TERM_PID1, exec_path=True)),
+        A("infra/truncate-grading-script", "ct", lambda ctx: init_code("ct", rewrite_script(ctx.tasks["ct"], truncate=True))(ctx)),
+        A("infra/pids-exhausted", "ct", init_code("ct", PIDS_EXHAUSTED)),
+        A("infra/memory-bomb", "ct", init_code("ct", MEMORY_BOMB)),
+        A("infra/disk-fill-and-fsize-limit", "pa", init_code("pa", DISK_FILL)),
         A("infra/close-all-fds", "pa", _closefds),
         A("infra/sleep-past-timeout", "ct", _sleep, timeout=SHORT_TIMEOUT),
         # ---- patches the grader's own parsing chokes on
@@ -1348,17 +1168,10 @@ ATTACKS = attacks()
 GOLDS = ("ct", "ct-plain", "pa", "sv")
 
 
-def _grade_one(grader: Grader, task: TaskRow, patch: str, trial: str) -> GradeRow | str:
-    try:
-        return grader.grade(task, patch, trial)
-    except Exception as exc:
-        return f"crash: {type(exc).__name__}: {exc}"
-
-
 def grade_all(tmp: Path, prefixes: tuple[str, ...] = ("",), screen_zeroes: bool = True) -> dict[str, GradeRow | str]:
     """Every attack (whose id starts with one of ``prefixes``) and every gold control, graded two at a
     time (the machine has two cores); ``screen_zeroes=False`` grades with the screen recording only."""
-    tasks = _load_tasks()
+    tasks = load_tasks()
     trees = {key: Tree(task, tmp / key) for key, task in tasks.items()}
     ctx = Ctx(trees, tasks, tmp)
     jobs: list[tuple[str, str, str, float]] = [(f"gold/{k}", k, tasks[k].patch or "", TEST_TIMEOUT) for k in GOLDS]
@@ -1374,7 +1187,7 @@ def grade_all(tmp: Path, prefixes: tuple[str, ...] = ("",), screen_zeroes: bool 
     # the slow ones first, so the pool's tail is short
     jobs.sort(key=lambda j: j[3] != SHORT_TIMEOUT)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {jid: pool.submit(_grade_one, graders[timeout], tasks[key], patch, f"attack/{jid}")
+        futures = {jid: pool.submit(grade_one, graders[timeout], tasks[key], patch, f"attack/{jid}")
                    for jid, key, patch, timeout in jobs}
         for jid, fut in futures.items():
             out[jid] = fut.result()
@@ -1386,25 +1199,12 @@ def graded(base_image: str, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     return grade_all(tmp_path_factory.mktemp("attacks"))
 
 
-def _describe(row: GradeRow) -> str:
-    tests = ", ".join(f"{t.name.rsplit('::', 1)[-1]}={t.status}" for t in row.tests if t.kind == "FAIL_TO_PASS")
-    return (f"status={row.status} reward={row.reward} resolved={row.resolved} infra={row.infra_failure} "
-            f"error={row.error!r} apply={row.apply_method} dropped={row.dropped_paths} F2P: {tests}")
-
-
 @pytest.mark.parametrize("attack", ATTACKS, ids=[a.id for a in ATTACKS])
 def test_attack_never_scores(attack: Attack, graded: dict[str, GradeRow | str]) -> None:
     reason = attack.needs()
     if reason is not None:
         pytest.skip(reason)
-    gold = graded[f"gold/{attack.task}"]
-    assert isinstance(gold, GradeRow), gold
-    assert gold.reward == 1.0, f"gold control for {attack.task}: {_describe(gold)}"
-    row = graded[attack.id]
-    assert isinstance(row, GradeRow), f"{attack.id}: {row}"
-    assert row.status != "infra_error" and row.infra_failure is False, f"{attack.id}: {_describe(row)}"
-    assert row.reward == 0.0, f"{attack.id}: {_describe(row)}"
-    assert row.resolved is False, f"{attack.id}: {_describe(row)}"
+    assert_never_scores(graded, attack.id, attack.task)
 
 
 IN_PROCESS = tuple(a.id for a in ATTACKS if a.id.startswith(("inproc/", "screen/", "forge/")))
@@ -1425,8 +1225,8 @@ def test_in_process_attack_fails_even_when_the_screen_only_records(
     if row is None:
         pytest.skip("attack not built here")
     assert isinstance(row, GradeRow), f"{attack_id}: {row}"
-    assert (row.reward, row.infra_failure, row.resolved) == (0.0, False, False), f"{attack_id}: {_describe(row)}"
-    assert row.status != "suspicious", _describe(row)
+    assert (row.reward, row.infra_failure, row.resolved) == (0.0, False, False), f"{attack_id}: {describe(row)}"
+    assert row.status != "suspicious", describe(row)
 
 
 # --------------------------------------------------------------------------- the grade stage
@@ -1443,7 +1243,7 @@ def test_grade_stage_survives_a_nasty_batch(base_image: str, tmp_path: Path) -> 
     from legorl.schemas import Kind
     from legorl.stages.grade import Job, grade_stage
 
-    tasks = _load_tasks()
+    tasks = load_tasks()
     trees = {k: Tree(tasks[k], tmp_path / k) for k in ("ct", "ct-plain", "pa")}
     ctx = Ctx(trees, tasks, tmp_path)
     tasks_dir, out_dir = tmp_path / "tasks", tmp_path / "grades"
@@ -1456,12 +1256,12 @@ def test_grade_stage_survives_a_nasty_batch(base_image: str, tmp_path: Path) -> 
     summary = grade_stage(tasks_dir, out_dir, jobs, GradeOptions(concurrency=2, test_timeout=TEST_TIMEOUT), reap=False)
     rows = {r.trial_id: r for r in summary.rows}
     assert sorted(rows) == sorted(j.trial_id for j in jobs)
-    assert rows[f"{pa}/gold/0"].reward == 1.0, _describe(rows[f"{pa}/gold/0"])
+    assert rows[f"{pa}/gold/0"].reward == 1.0, describe(rows[f"{pa}/gold/0"])
     for trial, row in rows.items():
         if trial.startswith(pa):
             continue
-        assert row.reward == 0.0 and row.resolved is False, f"{trial}: {_describe(row)}"
-        assert row.infra_failure is False and row.status != "infra_error", f"{trial}: {_describe(row)}"
+        assert row.reward == 0.0 and row.resolved is False, f"{trial}: {describe(row)}"
+        assert row.infra_failure is False and row.status != "infra_error", f"{trial}: {describe(row)}"
     rerun = grade_stage(tasks_dir, out_dir, jobs, GradeOptions(concurrency=2, test_timeout=TEST_TIMEOUT), reap=False)
     assert rerun.graded == 0 and rerun.skipped == len(jobs)
     dataset = shards.read(out_dir, Kind.GRADES)

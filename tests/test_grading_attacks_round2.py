@@ -1,7 +1,7 @@
 """Red team, round 2: new ways past the rebuilt grader (docs/threat-model.md).
 
 Every test here grades real patches in real podman containers (as tests/test_grading_attacks.py
-does, reusing its tasks and helpers, two grades at a time, a private ``LEGORL_CACHE``) and asserts
+does, with its tasks and helpers from tests/grading_support.py, two grades at a time, a private ``LEGORL_CACHE``) and asserts
 the SAFE outcome: reward 0.0, not ``infra_error``, the gold patch of the same task 1.0; a judge
 rule's path put back; an honest fix 1.0; every row writable by the stage. Tests that fail document
 a hole; nothing is xfail. Results against the grader as of commit af0232b ("before") and of
@@ -97,23 +97,25 @@ forked child can keep the real descriptor while fd 3 is swapped for a pipe).
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_grading_attacks import (
+from grading_support import (
     CT_BUG,
     CT_FUNC,
     PA_INIT,
     Ctx,
     Tree,
-    _describe,
-    _grade_one,
-    _init,
-    _load_tasks,
+    assert_never_scores,
+    at_import,
+    describe,
+    grade_one,
+    init_code,
+    load_tasks,
+    task_repo,
 )
 
 from legorl.grading.grader import GradeOptions, Grader
@@ -155,8 +157,7 @@ _weakref.finalize(_stats, _flush_stats)
 # file every test as PASSED and empty the "tampered" list -- so it also erases whatever the identity
 # check and the guard found. Works whether the report goes to a file (json.dump) or a descriptor
 # (json.dumps).
-JSON_REWIRED = '''\
-def _warm_caches():
+JSON_REWIRED = at_import('''\
     import json
 
     def clean(obj):
@@ -167,16 +168,12 @@ def _warm_caches():
     dump, dumps = json.dump, json.dumps
     json.dump = lambda obj, *a, **k: dump(clean(obj), *a, **k)
     json.dumps = lambda obj, *a, **k: dumps(clean(obj), *a, **k)
-
-
-_warm_caches()
-'''
+''', "_warm_caches")
 
 # A module-level function of pytest's runner replaced by one that *says* it is pytest's
 # (``__module__``): the identity check accepts any replacement whose __module__ names a runner
 # package, and a module attribute set is no audit event the guard watches.
-SPOOFED_CALL_AND_REPORT = '''\
-def _warm_caches():
+SPOOFED_CALL_AND_REPORT = at_import('''\
     import sys
     table = getattr(sys, "mod" "ules")
     runner = table.get("_py" "test.runner")
@@ -193,16 +190,12 @@ def _warm_caches():
 
     call_and_report.__module__ = runner.__name__
     setattr(runner, "call_and_report", call_and_report)
-
-
-_warm_caches()
-'''
+''', "_warm_caches")
 
 # unittest.TestCase.assertEqual = no-op, the classic, spelt plainly apart from the names: on CPython
 # 3.11 assigning a class attribute raises no audit event at all (the guard's object.__setattr__ rule
 # never fires), and the identity check accepts the no-op because its __module__ says unittest.case.
-SPOOFED_ASSERT_EQUAL = '''\
-def _warm_caches():
+SPOOFED_ASSERT_EQUAL = at_import('''\
     import sys
     case = getattr(sys, "mod" "ules").get("unit" "test.case")
     if case is None:
@@ -213,33 +206,25 @@ def _warm_caches():
 
     same.__module__ = case.__name__
     setattr(getattr(case, "Test" "Case"), "assert" "Equal", same)
-
-
-_warm_caches()
-'''
+''', "_warm_caches")
 
 # Nothing replaced at all: TestReport gets *new* ``failed``/``skipped`` properties that shadow the
 # ones it inherits from BaseReport. The identity check compares only names that existed in the
 # snapshot, and the assignment is no audit event: every report is then neither failed nor skipped.
-SHADOWED_PROPERTIES = '''\
-def _warm_caches():
+SHADOWED_PROPERTIES = at_import('''\
     import sys
     reports = getattr(sys, "mod" "ules").get("_py" "test.reports")
     if reports is None:
         return
     reports.TestReport.failed = property(lambda self: False)
     reports.TestReport.skipped = property(lambda self: False)
-
-
-_warm_caches()
-'''
+''', "_warm_caches")
 
 # gc.get_objects() is an audit event the guard flags when the nearest frame in the tree is the
 # patch's -- on the current thread. Called by C code (list.extend over an islice of iter(f, None))
 # in a worker thread, no frame in the tree is on that thread's stack: the Recorder is found and its
 # statuses table swapped. (A lambda as the thread's target would be a tree frame and is caught.)
-GC_FROM_A_THREAD = '''\
-def _warm_caches():
+GC_FROM_A_THREAD = at_import('''\
     import gc
     import itertools
     import threading
@@ -256,16 +241,12 @@ def _warm_caches():
     for obj in box[0] if box else ():
         if hasattr(obj, "nonce") and isinstance(getattr(obj, "statuses", None), dict):
             obj.statuses = _Table(obj.statuses)
-
-
-_warm_caches()
-'''
+''', "_warm_caches")
 
 # The Recorder, found from the frames of the import (no gc, no trace: traceback.walk_stack), gets
 # a statuses table that files every test as PASSED: plugin instance state is outside the identity
 # check (docs: "residual risk"), and nothing audits an instance attribute.
-RECORDER_STATUSES = '''\
-def _warm_caches():
+RECORDER_STATUSES = at_import('''\
     import traceback
 
     class _Table(dict):
@@ -281,10 +262,7 @@ def _warm_caches():
             if hasattr(plugin, "nonce") and isinstance(getattr(plugin, "statuses", None), dict):
                 plugin.statuses = _Table(plugin.statuses)
         return
-
-
-_warm_caches()
-'''
+''', "_warm_caches")
 
 # The test method's own TestCase instance gets a no-op assertEqual: an instance attribute, so
 # unittest's class is untouched (identity check) and no audit event fires.
@@ -327,25 +305,10 @@ TEST_CALC_HIDDEN = TEST_CALC + "\n\ndef test_add():\n    check(add(2, 3), 5)\n"
 def flat_task(root: Path) -> TaskRow:
     """A flat repository (module, test helper and tests at the top), in the documented format."""
     repo = root / "flatcalc"
-    repo.mkdir(parents=True)
-    (repo / "calc.py").write_text(CALC)
-    (repo / "helpers.py").write_text(HELPERS)
-    (repo / "test_calc.py").write_text(TEST_CALC)
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
-                              capture_output=True, text=True).stdout
-
-    git("init", "-q")
-    git("add", "-A")
-    git("commit", "-qm", "buggy")
-    base = git("rev-parse", "HEAD").strip()
-    (repo / "calc.py").write_text(CALC.replace("a - b", "a + b"))
-    gold = git("diff")
-    git("checkout", "-q", ".")
-    (repo / "test_calc.py").write_text(TEST_CALC_HIDDEN.replace("from calc import mul", "from calc import add, mul"))
-    test_patch = git("diff")
-    git("checkout", "-q", ".")
+    base, gold, test_patch = task_repo(
+        repo, {"calc.py": CALC, "helpers.py": HELPERS, "test_calc.py": TEST_CALC},
+        fixed={"calc.py": CALC.replace("a - b", "a + b")},
+        hidden_tests={"test_calc.py": TEST_CALC_HIDDEN.replace("from calc import mul", "from calc import add, mul")})
     return TaskRow.from_dict({
         "instance_id": "acme__flatcalc-1", "repo": "acme/flatcalc", "base_commit": base, "patch": gold,
         "test_patch": test_patch, "problem_statement": "add subtracts", "version": "0.1",
@@ -367,18 +330,18 @@ class Attack:
 def attacks() -> list[Attack]:
     A = Attack
     return [
-        A("report/rewritten-at-exit-ct", "ct", _init("ct", _report_rewrite())),
-        A("report/rewritten-at-exit-pa", "pa", _init("pa", _report_rewrite())),
-        A("report/json-dump-rewired-ct", "ct", _init("ct", JSON_REWIRED)),
+        A("report/rewritten-at-exit-ct", "ct", init_code("ct", _report_rewrite())),
+        A("report/rewritten-at-exit-pa", "pa", init_code("pa", _report_rewrite())),
+        A("report/json-dump-rewired-ct", "ct", init_code("ct", JSON_REWIRED)),
         A("report/json-dump-rewired-sv", "sv", lambda ctx: ctx.trees["sv"].diff(
             ctx.trees["sv"].append("src/semver/__init__.py", JSON_REWIRED))),
-        A("identity/spoofed-__module__-call_and_report-ct", "ct", _init("ct", SPOOFED_CALL_AND_REPORT)),
+        A("identity/spoofed-__module__-call_and_report-ct", "ct", init_code("ct", SPOOFED_CALL_AND_REPORT)),
         A("identity/spoofed-__module__-call_and_report-sv", "sv", lambda ctx: ctx.trees["sv"].diff(
             ctx.trees["sv"].append("src/semver/__init__.py", SPOOFED_CALL_AND_REPORT))),
-        A("identity/spoofed-__module__-TestCase.assertEqual", "ct", _init("ct", SPOOFED_ASSERT_EQUAL)),
-        A("identity/new-properties-shadow-BaseReport.failed", "pa", _init("pa", SHADOWED_PROPERTIES)),
-        A("guard/gc.get_objects-from-a-worker-thread", "pa", _init("pa", GC_FROM_A_THREAD)),
-        A("state/recorder-statuses-table", "pa", _init("pa", RECORDER_STATUSES)),
+        A("identity/spoofed-__module__-TestCase.assertEqual", "ct", init_code("ct", SPOOFED_ASSERT_EQUAL)),
+        A("identity/new-properties-shadow-BaseReport.failed", "pa", init_code("pa", SHADOWED_PROPERTIES)),
+        A("guard/gc.get_objects-from-a-worker-thread", "pa", init_code("pa", GC_FROM_A_THREAD)),
+        A("state/recorder-statuses-table", "pa", init_code("pa", RECORDER_STATUSES)),
         A("state/testcase-instance-assertEqual", "ct", _ct_instance_assert),
         A("unseen/flat-layout-helper-edited", "flat", lambda ctx: ctx.trees["flat"].diff(
             {"helpers.py": "def check(got, want):\n    return None\n"})),
@@ -423,7 +386,7 @@ UNWRITABLE = {
     # the same in a screen finding (a kept module whose name is not UTF-8)
     "stage/non-utf8-name-in-suspicious": ("ct", lambda ctx: _quoted("src/cachetools/\\377x.py", "import pytest\n")),
     # the report (json rewired, above) with a lone surrogate for every status
-    "stage/surrogate-status-in-the-report": ("ct", _init("ct", JSON_REWIRED.replace('"PASSED"', '"\\udcff"'))),
+    "stage/surrogate-status-in-the-report": ("ct", init_code("ct", JSON_REWIRED.replace('"PASSED"', '"\\udcff"'))),
 }
 GOLDS = ("ct", "pa", "sv", "flat")
 
@@ -434,7 +397,7 @@ def env(base_image: str, tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("attacks2")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LEGORL_CACHE", str(tmp / "cache"))
-        tasks = _load_tasks()
+        tasks = load_tasks()
         tasks["flat"] = flat_task(tmp / "repos")
         trees = {k: Tree(tasks[k], tmp / "trees" / k) for k in ("ct", "pa", "sv", "flat")}
         yield Ctx(trees, tasks, tmp)
@@ -453,7 +416,7 @@ def graded(env: Ctx) -> dict[str, GradeRow | str]:
         except Exception as exc:
             out[jid] = f"build failed: {type(exc).__name__}: {exc}"
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {jid: pool.submit(_grade_one, grader, env.tasks[key], patch, f"attack/{jid}")
+        futures = {jid: pool.submit(grade_one, grader, env.tasks[key], patch, f"attack/{jid}")
                    for jid, key, patch in jobs}
         for jid, fut in futures.items():
             out[jid] = fut.result()
@@ -462,29 +425,22 @@ def graded(env: Ctx) -> dict[str, GradeRow | str]:
 
 @pytest.mark.parametrize("attack", ATTACKS, ids=[a.id for a in ATTACKS])
 def test_attack_never_scores(attack: Attack, graded: dict[str, GradeRow | str]) -> None:
-    gold = graded[f"gold/{attack.task}"]
-    assert isinstance(gold, GradeRow), gold
-    assert gold.reward == 1.0, f"gold control for {attack.task}: {_describe(gold)}"
-    row = graded[attack.id]
-    assert isinstance(row, GradeRow), f"{attack.id}: {row}"
-    assert row.status != "infra_error" and row.infra_failure is False, f"{attack.id}: {_describe(row)}"
-    assert row.reward == 0.0, f"{attack.id}: {_describe(row)}"
-    assert row.resolved is False, f"{attack.id}: {_describe(row)}"
+    assert_never_scores(graded, attack.id, attack.task)
 
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=[c.id for c in RULE_CASES])
 def test_judge_rule_is_not_bypassed(case: RuleCase, graded: dict[str, GradeRow | str]) -> None:
     row = graded[case.id]
     assert isinstance(row, GradeRow), f"{case.id}: {row}"
-    assert row.reward == 0.0 and row.infra_failure is False, _describe(row)
-    assert set(case.dropped) & set(row.dropped_paths), f"{case.id}: kept {case.dropped}: {_describe(row)}"
+    assert row.reward == 0.0 and row.infra_failure is False, describe(row)
+    assert set(case.dropped) & set(row.dropped_paths), f"{case.id}: kept {case.dropped}: {describe(row)}"
 
 
 @pytest.mark.parametrize("attack", HONEST, ids=[a.id for a in HONEST])
 def test_honest_fix_scores(attack: Attack, graded: dict[str, GradeRow | str]) -> None:
     row = graded[attack.id]
     assert isinstance(row, GradeRow), f"{attack.id}: {row}"
-    assert row.reward == 1.0, f"{attack.id}: {_describe(row)}"
+    assert row.reward == 1.0, f"{attack.id}: {describe(row)}"
 
 
 @pytest.mark.parametrize("jid", sorted(UNWRITABLE))
@@ -495,7 +451,7 @@ def test_grade_row_can_be_written(jid: str, graded: dict[str, GradeRow | str]) -
 
     row = graded[jid]
     assert isinstance(row, GradeRow), f"{jid}: {row}"
-    assert row.reward == 0.0 and row.infra_failure is False, _describe(row)
+    assert row.reward == 0.0 and row.infra_failure is False, describe(row)
     shards.to_table(Kind.GRADES, [row])
 
 
@@ -524,4 +480,4 @@ def test_nothing_graded_here_poisons_the_next_gold_grade(env: Ctx, graded: dict[
     with ThreadPoolExecutor(max_workers=2) as pool:
         rows = dict(zip(GOLDS, pool.map(lambda k: grader.grade(env.tasks[k], env.tasks[k].patch, f"again/{k}"), GOLDS), strict=True))
     for key, row in rows.items():
-        assert row.reward == 1.0, f"{key}: {_describe(row)}"
+        assert row.reward == 1.0, f"{key}: {describe(row)}"

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
+from grading_support import REPORT_PATCH, SHIPPED, new_file, shipped_tasks, task_repo
 
 from legorl import shards
 from legorl.grading.grader import GradeOptions, Grader
@@ -21,21 +21,13 @@ from legorl.schemas import GradeRow, Kind, TaskRow
 
 pytestmark = pytest.mark.podman
 
-ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "examples" / "tasks" / "tasks.parquet"
 LEGORL = str(Path(sys.executable).parent / "legorl")
 
 
 @pytest.fixture(scope="module")
 def shipped() -> dict[str, TaskRow]:
     """The shipped tasks, repo_source made absolute (as the importer stores it)."""
-    rows = pq.read_table(SHIPPED).to_pylist()
-    tasks = {}
-    for row in rows:
-        task = TaskRow.from_dict(row)
-        task.repo_source = str((SHIPPED.parent / task.repo_source).resolve()) if task.repo_source else None
-        tasks[task.instance_id] = task
-    return tasks
+    return shipped_tasks()
 
 
 @pytest.fixture(scope="module")
@@ -126,29 +118,23 @@ def pytest_runtest_makereport(item, call):
 """
 
 
-def _new_file(path: str, text: str) -> str:
-    body = "".join(f"+{line}\n" for line in text.splitlines())
-    return (f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
-            f"@@ -0,0 +1,{len(text.splitlines())} @@\n{body}")
-
-
 def _attacks(task: TaskRow) -> dict[str, tuple[str, str]]:
     """name -> (patch, the path the grade row must name as dropped)."""
     test_file = touched_paths(task.test_patch)[0]
     sitecustomize = ("import os\nos.environ['PYTEST_ADDOPTS'] = '-p attack_plugin'\n")
     return {
-        "conftest": (_new_file("conftest.py", ATTACK_PLUGIN), "conftest.py"),
-        "nested conftest": (_new_file("tests/conftest.py", ATTACK_PLUGIN), "tests/conftest.py"),
-        "hidden test edit": (_new_file(test_file, "def test_nothing():\n    pass\n").replace(
+        "conftest": (new_file("conftest.py", ATTACK_PLUGIN), "conftest.py"),
+        "nested conftest": (new_file("tests/conftest.py", ATTACK_PLUGIN), "tests/conftest.py"),
+        "hidden test edit": (new_file(test_file, "def test_nothing():\n    pass\n").replace(
             "new file mode 100644\n--- /dev/null", f"--- a/{test_file}").replace("@@ -0,0", "@@ -1,0"), test_file),
-        "sitecustomize": (_new_file("src/attack_plugin.py", ATTACK_PLUGIN)
-                          + _new_file("src/sitecustomize.py", sitecustomize), "src/sitecustomize.py"),
-        "pth hook": (_new_file("src/attack_plugin.py", ATTACK_PLUGIN)
-                     + _new_file("src/attack.pth", "import os; os.environ['PYTEST_ADDOPTS'] = '-p attack_plugin'\n"),
+        "sitecustomize": (new_file("src/attack_plugin.py", ATTACK_PLUGIN)
+                          + new_file("src/sitecustomize.py", sitecustomize), "src/sitecustomize.py"),
+        "pth hook": (new_file("src/attack_plugin.py", ATTACK_PLUGIN)
+                     + new_file("src/attack.pth", "import os; os.environ['PYTEST_ADDOPTS'] = '-p attack_plugin'\n"),
                      "src/attack.pth"),
-        "pytest.ini": (_new_file("src/attack_plugin.py", ATTACK_PLUGIN)
-                       + _new_file("pytest.ini", "[pytest]\naddopts = -p attack_plugin\n"), "pytest.ini"),
-        "tox.ini pytest section": (_new_file("src/attack_plugin.py", ATTACK_PLUGIN) + (
+        "pytest.ini": (new_file("src/attack_plugin.py", ATTACK_PLUGIN)
+                       + new_file("pytest.ini", "[pytest]\naddopts = -p attack_plugin\n"), "pytest.ini"),
+        "tox.ini pytest section": (new_file("src/attack_plugin.py", ATTACK_PLUGIN) + (
             "diff --git a/tox.ini b/tox.ini\n--- a/tox.ini\n+++ b/tox.ini\n@@ -1,2 +1,5 @@\n"
             "+[pytest]\n+addopts = -p attack_plugin\n+\n [tox]\n envlist = py,docs,doctest,pyright,ruff,ruff-format\n"),
             "tox.ini"),
@@ -214,27 +200,12 @@ def test_unseen_task_in_the_documented_format(base_image: str, tmp_path: Path) -
     """A task the builder never made: a directory repo_source (relative to the JSONL), src layout,
     no test_command (the default applies), test lists as JSON strings — gold 1, no-op 0."""
     repo = tmp_path / "data" / "minilib"
-    (repo / "src" / "minilib").mkdir(parents=True)
-    (repo / "tests").mkdir()
-    (repo / "src" / "minilib" / "__init__.py").write_text("def clamp(x, lo, hi):\n    return max(lo, min(x, lo))\n")
-    (repo / "tests" / "test_clamp.py").write_text("from minilib import clamp\n\ndef test_low():\n    assert clamp(-1, 0, 5) == 0\n")
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
-                              capture_output=True, text=True).stdout
-
-    git("init", "-q")
-    git("add", "-A")
-    git("commit", "-qm", "buggy")
-    base = git("rev-parse", "HEAD").strip()
-    (repo / "src" / "minilib" / "__init__.py").write_text("def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n")
-    gold = git("diff")
-    git("checkout", "-q", ".")
-    (repo / "tests" / "test_clamp.py").write_text(
-        "from minilib import clamp\n\ndef test_low():\n    assert clamp(-1, 0, 5) == 0\n\n"
-        "def test_mid():\n    assert clamp(3, 0, 5) == 3\n")
-    test_patch = git("diff")
-    git("checkout", "-q", ".")
+    clamp = "from minilib import clamp\n\ndef test_low():\n    assert clamp(-1, 0, 5) == 0\n"
+    base, gold, test_patch = task_repo(
+        repo, {"src/minilib/__init__.py": "def clamp(x, lo, hi):\n    return max(lo, min(x, lo))\n",
+               "tests/test_clamp.py": clamp},
+        fixed={"src/minilib/__init__.py": "def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n"},
+        hidden_tests={"tests/test_clamp.py": clamp + "\ndef test_mid():\n    assert clamp(3, 0, 5) == 3\n"})
     row = {"instance_id": "acme__minilib-1", "repo": "acme/minilib", "base_commit": base, "patch": gold,
            "test_patch": test_patch, "problem_statement": "clamp ignores hi", "version": "0.1",
            "FAIL_TO_PASS": json.dumps(["tests/test_clamp.py::test_mid"]),
@@ -262,14 +233,6 @@ def test_unseen_task_in_the_documented_format(base_image: str, tmp_path: Path) -
                                          "tests/test_clamp.py::test_low": "PASSED"}
 
 
-REWIRE_REPORTS = """import _pytest.reports as _r
-_orig = _r.TestReport.from_item_and_call.__func__
-def _fake(cls, item, call):
-    rep = _orig(cls, item, call)
-    rep.outcome, rep.longrepr = 'passed', None
-    return rep
-_r.TestReport.from_item_and_call = classmethod(_fake)
-"""
 WRAP_CALL_AND_REPORT = """import _pytest.runner as _r
 _orig = _r.call_and_report
 def _fake(item, when, log=True, **kw):
@@ -330,7 +293,7 @@ def test_in_process_attacks_fail_without_the_screen(base_image: str, shipped: di
     names = sorted({t.rsplit("::", 1)[1] for t in task.FAIL_TO_PASS})
     grader = Grader(GradeOptions(test_timeout=120, suspicious_scores_zero=False))
     assert grader.grade(task, task.patch).reward == 1.0
-    attacks = {"rewire TestReport": REWIRE_REPORTS, "wrap call_and_report": WRAP_CALL_AND_REPORT,
+    attacks = {"rewire TestReport": REPORT_PATCH, "wrap call_and_report": WRAP_CALL_AND_REPORT,
                "plugin through gc": PLUGIN_THROUGH_GC,
                "rewrite later tests": f"NAMES = {names!r}\n" + REWRITE_LATER_TESTS}
     for name, code in attacks.items():
@@ -349,27 +312,13 @@ def test_task_image_with_its_own_testbed(base_image: str, tmp_path: Path) -> Non
     from legorl.sandbox.host import run_podman
 
     ctx = tmp_path / "ctx"
-    (ctx / "testbed" / "tests").mkdir(parents=True)
-    (ctx / "testbed" / "calc.py").write_text("def double(x):\n    return x + x + 1\n")
-    (ctx / "testbed" / "tests" / "test_calc.py").write_text("from calc import double\n\ndef test_zero():\n"
-                                                            "    assert double(0) in (0, 1)\n")
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=ctx / "testbed",
-                              check=True, capture_output=True, text=True).stdout
-
-    git("init", "-q")
-    git("add", "-A")
-    git("commit", "-qm", "buggy")
-    (ctx / "testbed" / "calc.py").write_text("def double(x):\n    return x + x\n")
-    gold = git("diff")
-    git("checkout", "-q", ".")
-    (ctx / "testbed" / "tests" / "test_calc.py").write_text(
-        "import subprocess\nfrom calc import double\n\ndef test_zero():\n    assert double(0) in (0, 1)\n\n"
-        "def test_two():\n    assert double(2) == 4\n\ndef test_git_is_there():\n"
-        "    assert subprocess.run(['git', 'log', '-1'], capture_output=True).returncode == 0\n")
-    test_patch = git("diff")
-    git("checkout", "-q", ".")
+    zero = "from calc import double\n\ndef test_zero():\n    assert double(0) in (0, 1)\n"
+    _base, gold, test_patch = task_repo(
+        ctx / "testbed", {"calc.py": "def double(x):\n    return x + x + 1\n", "tests/test_calc.py": zero},
+        fixed={"calc.py": "def double(x):\n    return x + x\n"},
+        hidden_tests={"tests/test_calc.py": (
+            "import subprocess\n" + zero + "\ndef test_two():\n    assert double(2) == 4\n\ndef test_git_is_there():\n"
+            "    assert subprocess.run(['git', 'log', '-1'], capture_output=True).returncode == 0\n")})
     (ctx / "Containerfile").write_text(f"FROM {base_image}\nCOPY testbed /testbed\n")
     image = f"localhost/legorl-test-own-testbed:{os.getpid()}"
     run_podman(["build", "-q", "-t", image, str(ctx)], timeout=300)
@@ -382,7 +331,7 @@ def test_task_image_with_its_own_testbed(base_image: str, tmp_path: Path) -> Non
         good = grader.grade(task, gold)
         assert (good.reward, good.status) == (1.0, "graded"), (good.error, good.log)
         assert grader.grade(task, _noop_patch(task)).reward == 0.0
-        attack = _new_file("conftest.py", ATTACK_PLUGIN)
+        attack = new_file("conftest.py", ATTACK_PLUGIN)
         row = grader.grade(task, attack)
         assert (row.reward, row.infra_failure, row.dropped_paths) == (0.0, False, ["conftest.py"])
     finally:
