@@ -228,7 +228,7 @@ def file_info(path: Path) -> FileInfo:
     try:
         meta = pq.read_metadata(path)
         schema = pq.read_schema(path)
-    except (OSError, pa.ArrowInvalid) as exc:
+    except (OSError, pa.ArrowInvalid, UnicodeDecodeError) as exc:  # a column name that is not UTF-8
         raise ShardError(path, f"not a readable Parquet file ({_first_line(exc)})") from exc
     md = schema.metadata or {}
     version = md.get(META_VERSION)
@@ -353,7 +353,10 @@ def read_file(path: Path, kind: Kind, columns: list[str] | None = None) -> pa.Ta
         )
     try:
         table = pq.read_table(path, columns=None if columns is None else _existing(path, columns))
-    except (OSError, pa.ArrowInvalid) as exc:
+        # Parquet readers do not check UTF-8: a flipped byte in a string would otherwise be a
+        # UnicodeDecodeError at the first to_pylist().
+        table.validate(full=True)
+    except (OSError, pa.ArrowInvalid, UnicodeDecodeError) as exc:
         raise ShardError(path, f"corrupt Parquet data ({_first_line(exc)})") from exc
     if columns is not None:
         schema = SCHEMAS[kind]

@@ -288,6 +288,8 @@ def import_tasks(
     instance_ids: Iterable[str] | None = None,
 ) -> ImportResult:
     """Validate every row of ``source`` and add the new or changed ones to ``tasks_dir``."""
+    if limit is not None and limit < 0:  # a slice would silently drop rows from the end
+        raise LegorlError(f"limit: must be >= 0, got {limit}")
     raw, base_dir = read_source(source, split)
     tasks = normalize_all(raw, base_dir, source)
     if instance_ids is not None:
