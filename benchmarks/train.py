@@ -17,7 +17,7 @@ segments, one update, for each segment length and vocabulary (the tiny model's 8
 Qwen3 with Qwen3's 151,936-token embedding), legorl and plain TRL each in a fresh subprocess
 (fixed seeds) so that each peak is its own: peak memory is the subprocess's RSS high-water mark
 (``ru_maxrss``: everything the process touched, weights and optimizer included; ``+train`` is the
-rise over the RSS just before ``train()``). A run that exceeds ``--mem-cap-gb`` of address space
+rise over the RSS just before ``train()``). Both run with gradient checkpointing, plain TRL's default. A run that exceeds ``--mem-cap-gb`` of address space
 (RLIMIT_AS) or is killed is reported as OOM. A fork-heavy trial (three rewrite segments of one
 prompt, two trials) is timed with legorl's padded path (``padding_free=False``: the path before
 packing) and the packed one.
@@ -274,7 +274,8 @@ def sweep(args: argparse.Namespace) -> None:
         model = str(wide_model_dir(vocab))
         for length in lengths:
             spec = {**base, "model": model, "vocab": vocab, "length": length}
-            ours = measure({**spec, "trainer": "legorl", "options": {}}, args.timeout)
+            # Gradient checkpointing on, as in plain TRL's defaults (legorl's default is off).
+            ours = measure({**spec, "trainer": "legorl", "options": {"gradient_checkpointing": True}}, args.timeout)
             trl = measure({**spec, "trainer": "trl", "options": {}}, args.timeout)
             print(f"{f'V={vocab // 1000}k T={length // 1024}k':14s}{_cell(ours)}  {_cell(trl)}   {_ratio(ours, trl)}",
                   flush=True)

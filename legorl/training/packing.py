@@ -33,10 +33,6 @@ class Document:
     prefix: int
     branches: tuple[tuple[int, int], ...] = ()
 
-    @property
-    def end(self) -> int:
-        return self.branches[-1][0] + self.branches[-1][1] if self.branches else self.start + self.prefix
-
 
 @dataclass
 class Packed:

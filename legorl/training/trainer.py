@@ -190,8 +190,8 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 mk.ROUTING_NATURAL_FLIP_RATE: watch.flips / max(watch.decisions, 1),
                 mk.ROUTING_EFFECTIVE_FLIP_RATE: 0.0 if self.replay else watch.flips / max(watch.decisions, 1),
             })
-        self._record({mk.BATCH_SEQUENCES: float(len(seqs)), mk.BATCH_PADDING_SHARE: float(
-            1.0 - attention_mask.sum().item() / attention_mask.numel())})
+        padding = 0.0 if cfg.padding_free else 1.0 - attention_mask.sum().item() / attention_mask.numel()
+        self._record({mk.BATCH_SEQUENCES: float(len(seqs)), mk.BATCH_PADDING_SHARE: padding})
 
         output: dict[str, Any] = {
             "prompt_ids": padded.prompt_ids.to(device),
