@@ -1,10 +1,11 @@
 """A stand-in for `vllm serve` that the chaos tests can kill in the middle of a generation.
 
-``python fake_vllm.py PORT STATE_DIR TOKEN_IDS`` serves ``/v1/models`` and non-streaming
-``/v1/completions`` (token ids + logprobs, as legorl's vLLM client asks for). While
-``STATE_DIR/hang`` exists, a completion request touches ``STATE_DIR/inflight`` and never answers,
-so the test knows a call is in flight when it kills this process. Otherwise every completion is
-``TOKEN_IDS`` (comma-separated), finishing with ``stop``.
+``python fake_vllm.py PORT STATE_DIR TOKEN_IDS`` serves ``/v1/models`` and ``/v1/completions``,
+streamed or not (token ids + logprobs, as legorl's vLLM client asks for). Every completion is
+``TOKEN_IDS`` (comma-separated), finishing with ``stop``; but while ``STATE_DIR/hang`` exists, a
+request streams the first N of them (N: the file's content, 0 if empty), touches
+``STATE_DIR/inflight`` and never finishes, so the test knows a call is in flight when it kills
+this process.
 """
 
 from __future__ import annotations
@@ -35,13 +36,38 @@ class Handler(BaseHTTPRequestHandler):
         self._json({"object": "list", "data": [{"id": "fake", "object": "model", "max_model_len": 8192}]})
 
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if (STATE / "hang").exists():
-            (STATE / "inflight").touch()
-            time.sleep(3600)
-        self._json({"choices": [{"index": 0, "text": "", "token_ids": TOKENS, "finish_reason": "stop",
-                                 "logprobs": {"token_logprobs": [-0.5] * len(TOKENS)}}],
-                    "usage": {"completion_tokens": len(TOKENS)}})
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        hang = STATE / "hang"
+        if not body.get("stream"):
+            if hang.exists():
+                self._hang()
+            self._json({"choices": [self._choice(TOKENS, "stop")], "usage": {"completion_tokens": len(TOKENS)}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        if hang.exists():
+            sent = int(hang.read_text().strip() or 0)
+            for token in TOKENS[:sent]:
+                self._event({"choices": [self._choice([token], None)]})
+            self._hang()
+        self._event({"choices": [self._choice(TOKENS, "stop")]})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    @staticmethod
+    def _choice(tokens: list[int], finish: str | None) -> dict[str, object]:
+        return {"index": 0, "text": "", "token_ids": tokens, "finish_reason": finish,
+                "logprobs": {"token_logprobs": [-0.5] * len(tokens)}}
+
+    def _event(self, chunk: object) -> None:
+        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.flush()
+
+    @staticmethod
+    def _hang() -> None:
+        (STATE / "inflight").touch()
+        time.sleep(3600)
 
 
 if __name__ == "__main__":

@@ -107,22 +107,24 @@ def _serve_vllm(tiny_model: Path, engine: _FakeEngine) -> tuple[subprocess.Popen
 
 
 @pytest.mark.podman
-@pytest.mark.parametrize("victim", ["engine", "proxy"])
-def test_engine_dies_mid_generation_is_infra_then_retried(victim: str, tiny_model: Path, base_image: str,
-                                                          tmp_path: Path, figures: Figures) -> None:
+@pytest.mark.parametrize(("victim", "sampled"), [("engine", 0), ("engine", 2), ("proxy", 2)],
+                         ids=["engine-before-first-token", "engine-mid-stream", "proxy-mid-stream"])
+def test_engine_dies_mid_generation_is_infra_then_retried(victim: str, sampled: int, tiny_model: Path,
+                                                          base_image: str, tmp_path: Path, figures: Figures) -> None:
+    """``sampled``: tokens the engine has streamed of the call in flight when it (or the proxy) dies."""
     run = _run_dir(tmp_path, "engine")
     [task] = import_tasks(run, 1)
     key = trial_key(task, "simple", 0, 0)
     state = tmp_path / "engine-state"
     state.mkdir()
-    (state / "hang").touch()
+    (state / "hang").write_text(str(sampled))
     engine = _FakeEngine(state, _final_answer_tokens(tiny_model))
     engine.start()
     proxy, url = _serve_vllm(tiny_model, engine)
     args = ["rollout", "--run", str(run), "--harness", "simple", "--retries", "0", "--max-turns", "2",
             "--timeout", "90", "--json"]
     try:
-        with figures.stage(f"engine-death ({victim})") as fig:
+        with figures.stage(f"engine-death ({victim}, {sampled} token(s) sampled)") as fig:
             rollout = start(*args, "--proxy", url, stdout=subprocess.PIPE)
             _wait(lambda: (state / "inflight").exists(), 120, "a call in flight")
             kill_group(proxy if victim == "proxy" else engine.proc)  # type: ignore[arg-type]
