@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from legorl import shards
 from legorl.errors import LegorlError
@@ -74,6 +75,7 @@ def prediction_jobs(path: Path, tasks: dict[str, TaskRow]) -> list[Job]:
     except UnicodeDecodeError as exc:
         raise LegorlError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     try:
+        items: Any
         data = _loads(text)
         # one object: a single prediction (a one-line JSONL file), or predictions keyed by instance id
         items = [data] if isinstance(data, dict) and "instance_id" in data else (
@@ -116,7 +118,7 @@ def prediction_jobs(path: Path, tasks: dict[str, TaskRow]) -> list[Job]:
     return list(jobs.values())
 
 
-def _loads(text: str) -> object:
+def _loads(text: str) -> Any:
     """``json.loads``, its other failures (nesting past the recursion limit, integers over Python's
     digit limit) raised as the ValueError a JSONDecodeError also is."""
     try:
