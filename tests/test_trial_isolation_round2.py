@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import threading
@@ -105,22 +106,21 @@ from legorl.schemas import Kind, TrialRow
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman]
+PROBE = Path(__file__).with_name("isolation_probe.py")
 
-# What every agent script starts with: its config, and one real model call through the relay.
+# What every agent script starts with: its config, the relay client of tests/isolation_probe.py (put
+# next to it), and one real model call through the relay.
 PRELUDE = r'''
 import http.client, json, os, socket, subprocess, sys, time
 cfg = json.load(open(sys.argv[1]))
 here = os.path.dirname(sys.argv[1])
 out = {}
+sys.dont_write_bytecode = True
+sys.path.insert(0, here)  # python3 -I leaves the script's folder off sys.path
+import isolation_probe
 
 def request(method, path, body=None, timeout=60):
-    conn = http.client.HTTPConnection("127.0.0.1", cfg["port"], timeout=timeout)
-    data = json.dumps(body).encode() if body is not None else None
-    conn.request(method, path, body=data, headers={"content-type": "application/json"})
-    resp = conn.getresponse()
-    text = resp.read().decode(errors="replace")
-    conn.close()
-    return resp.status, text
+    return isolation_probe.request(cfg, method, path, body, timeout=timeout)
 
 def call():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
@@ -149,6 +149,7 @@ class Agent(ClaudeCode):
         cfg = {"session": session, "port": PORT, "socket": f"{CONTAINER_DIR}/{SOCKET_NAME}",
                "openai_base_url": trial.openai_base_url}
         (paths.host / "agent-config.json").write_text(json.dumps(cfg))
+        shutil.copy(PROBE, paths.host / PROBE.name)
         (paths.host / "agent.py").write_text(PRELUDE + self.SCRIPT)
         return Launch(["python3", "-I", paths.at("agent.py"), paths.at("agent-config.json")], self.base_env(paths))
 
@@ -199,6 +200,20 @@ def _remove_containers(run: Path) -> None:
 def _rm_rf(path: Path) -> None:
     """GNU rm copes with trees deeper than Python's recursion limit (shutil.rmtree does not)."""
     subprocess.run(["rm", "-rf", "--", str(path)], timeout=300)
+
+
+def _clean_filter(name: str, command: str, pattern: str, note: str) -> str:
+    """An agent script: git clean filter ``name`` runs ``command`` on the files ``pattern`` matches
+    (the agent's own .git/config and .gitattributes), then ``agent_note.py`` holding ``note``."""
+    return f'''
+os.chdir("/testbed")
+subprocess.run(["git", "config", "filter.{name}.clean", "{command}"], check=True)
+with open(".gitattributes", "a") as handle:
+    handle.write("{pattern} filter={name}\\n")
+with open("agent_note.py", "w") as handle:
+    handle.write("{note}\\n")
+save()
+'''
 
 
 # --------------------------------------------------------------------------- R2-1
@@ -296,15 +311,7 @@ def test_patch_extraction_is_bounded(proxy: InProcessProxy, agent: type[Agent], 
         return original(self, argv, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(PodmanSandbox, "_run", quick)
-    agent.SCRIPT = r'''
-os.chdir("/testbed")
-subprocess.run(["git", "config", "filter.hang.clean", "sleep 3600"], check=True)
-with open(".gitattributes", "a") as handle:
-    handle.write("* filter=hang\n")
-with open("agent_note.py", "w") as handle:
-    handle.write("x = 1\n")
-save()
-'''
+    agent.SCRIPT = _clean_filter("hang", "sleep 3600", "*", "x = 1")
     run = _run_dir(tmp_path)
     result: dict[str, object] = {}
 
@@ -334,15 +341,7 @@ save()
 @pytest.mark.xfail(strict=True, reason="open (accepted): the patch is what git stages under the agent's own attributes; the grade judges that patch, which is the agent's choice either way")
 def test_the_patch_is_what_the_tree_holds(proxy: InProcessProxy, agent: type[Agent], base_image: str,
                                           tmp_path: Path) -> None:
-    agent.SCRIPT = r'''
-os.chdir("/testbed")
-subprocess.run(["git", "config", "filter.forge.clean", "sed s/REAL_CHANGE/FORGED_CHANGE/"], check=True)
-with open(".gitattributes", "a") as handle:
-    handle.write("agent_note.py filter=forge\n")
-with open("agent_note.py", "w") as handle:
-    handle.write("REAL_CHANGE = 1\n")
-save()
-'''
+    agent.SCRIPT = _clean_filter("forge", "sed s/REAL_CHANGE/FORGED_CHANGE/", "agent_note.py", "REAL_CHANGE = 1")
     run = _run_dir(tmp_path)
     [row] = _rollout(run, proxy)
     assert row.patch and "agent_note.py" in row.patch, row.error
