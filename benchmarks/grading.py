@@ -65,15 +65,19 @@ def load_tasks(n: int) -> list[TaskRow]:
 
 def eval_script(task: TaskRow) -> str:
     """A SWE-bench eval script: reset the test files, apply test_patch, run between the markers."""
-    from legorl.grading.grader import command_for
+    import shlex
+
+    from legorl.grading.container import DEFAULT_PYTEST, hidden_test_files
     from legorl.grading.patches import touched_paths
 
     files = " ".join(touched_paths(task.test_patch))
+    tests = " ".join(shlex.quote(f) for f in hidden_test_files(task.test_patch))
+    command = (task.test_command or DEFAULT_PYTEST).replace("{test_files}", tests)
     return "\n".join([
         "#!/bin/bash", "set -uxo pipefail", "cd /testbed",
         f"git checkout HEAD -- {files}",
         "git apply -v - <<'EOF_114329324912'", (task.test_patch or "").rstrip("\n"), "EOF_114329324912",
-        ": '>>>>> Start Test Output'", command_for(task), ": '>>>>> End Test Output'",
+        ": '>>>>> Start Test Output'", command, ": '>>>>> End Test Output'",
         f"git checkout HEAD -- {files}",
     ]) + "\n"
 

@@ -131,7 +131,7 @@ def test_concurrent_requests_are_batched_and_match_unbatched(engine: EmbeddedEng
     assert max(k for k, v in engine.stats.batch_sizes.items() if v) >= 2
     assert engine.stats.decode_steps - steps_before < sum(len(g.token_ids) for g in together) // 2
     for x, y in zip(alone, together, strict=True):
-        assert x.token_ids == y.token_ids  # same seed, same tokens (Gumbel-max draws; see embedded.py)
+        assert x.token_ids == y.token_ids  # same seed, same tokens (Gumbel-max draws; see legorl/engines/sampling.py)
         assert np.abs(np.array(x.logprobs) - np.array(y.logprobs)).max() <= 1e-5
 
 

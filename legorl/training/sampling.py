@@ -17,7 +17,7 @@ segments (:attr:`legorl.training.data.Trial.sampling`):
   whose other calls have one are taken to match them (also logged).
 
 Temperature 0 is greedy: the engines record the sampled token's logprob under the same processing
-at temperature 1 (legorl/engines/embedded.py; vLLM's processed logprobs do the same), so the
+at temperature 1 (legorl/engines/sampling.py; vLLM's processed logprobs do the same), so the
 recompute runs at 1 (:attr:`StepSampling.logprob_temperature`).
 """
 
