@@ -321,6 +321,12 @@ def json_lines(path: Path) -> list[dict[str, object]]:
     return events
 
 
+def no_account(proc: ProcResult) -> tuple[End, str | None]:
+    """How a harness ended that left no account of it (no result file, no end event): killed at the
+    limit, or crashed; the detail is the end of its log."""
+    return (End.UNKNOWN if proc.timed_out else End.CRASHED), proc.log_tail.strip()[-500:] or None
+
+
 def json_file(path: Path, limit: int = 1 << 20) -> dict[str, Any] | None:
     """A JSON object file in the trial folder (a harness's result), or None when it is missing,
     refused, too large or garbled: all of those are the harness's (the agent's) doing."""

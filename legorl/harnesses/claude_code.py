@@ -16,6 +16,7 @@ from legorl.harnesses.base import (
     TrialPaths,
     TrialSpec,
     json_lines,
+    no_account,
 )
 from legorl.sandbox.base import Sandbox
 
@@ -45,7 +46,7 @@ class ClaudeCode(ProcessHarness):
     def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
         results = [e for e in json_lines(paths.host / "harness.log") if e.get("type") == "result"]
         if not results:
-            return (End.UNKNOWN if proc.timed_out else End.CRASHED), proc.log_tail.strip()[-500:] or None
+            return no_account(proc)
         result = results[-1]
         subtype = str(result.get("subtype", ""))
         text = str(result.get("result", ""))[:1000]

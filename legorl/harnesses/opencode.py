@@ -23,6 +23,7 @@ from legorl.harnesses.base import (
     TrialPaths,
     TrialSpec,
     json_lines,
+    no_account,
 )
 from legorl.sandbox.base import Sandbox
 
@@ -93,4 +94,4 @@ class OpenCode(ProcessHarness):
             return End.CRASHED, detail
         if proc.exit_code == 0 and events:
             return End.FINISHED, None
-        return (End.UNKNOWN if proc.timed_out else End.CRASHED), proc.log_tail.strip()[-500:] or None
+        return no_account(proc)

@@ -13,7 +13,16 @@ import json
 import shutil
 from pathlib import Path
 
-from legorl.harnesses.base import End, Launch, ProcessHarness, ProcResult, TrialPaths, TrialSpec, json_file
+from legorl.harnesses.base import (
+    End,
+    Launch,
+    ProcessHarness,
+    ProcResult,
+    TrialPaths,
+    TrialSpec,
+    json_file,
+    no_account,
+)
 from legorl.sandbox.base import Sandbox
 
 RUNNER = Path(__file__).with_name("_openhands_runner.py")
@@ -48,7 +57,7 @@ class OpenHands(ProcessHarness):
     def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
         result = json_file(paths.host / "result.json")
         if result is None:
-            return End.UNKNOWN if proc.timed_out else End.CRASHED, proc.log_tail.strip()[-500:] or None
+            return no_account(proc)
         status, code = result.get("status"), str(result.get("error_code") or "")
         detail = f"{code}: {result.get('message')}" if code else _text(result.get("exception"))
         if status == "finished":
