@@ -131,6 +131,23 @@ def test_grade_sigkill_then_rerun(base_image: str, tmp_path: Path, chaos_seed: i
 
 # --------------------------------------------------------------------------- train
 
+TORN_SAVE = (
+    "stages/train.py:135-136 resumes from the newest of legorl/paths.py:127 partial_saves(), a TRL "
+    "checkpoint-N folder written in place: a kill during that save leaves it without trainer_state.json, and "
+    "every `train --resume` (and `loop`) then fails with FileNotFoundError; an incomplete save must be skipped")
+
+
+def _torn_saves(checkpoints: Path) -> list[Path]:
+    """TRL saves a kill cut short: a checkpoint-N folder without its trainer_state.json."""
+    return [p for p in checkpoints.glob("step-*.partial/checkpoint-*") if not (p / "trainer_state.json").exists()]
+
+
+def _known_torn_save(checkpoints: Path, fig: Any) -> None:
+    """A random kill that landed inside a TRL save hit the defect TORN_SAVE pins: say so, stop here."""
+    if _torn_saves(checkpoints):
+        fig.notes.append("a kill landed inside a TRL checkpoint save (known defect, see TORN_SAVE)")
+        pytest.xfail(TORN_SAVE)
+
 
 def _train_run(tiny_model: Path, root: Path) -> Path:
     from train_support import TrialSpec, make_run
@@ -168,6 +185,7 @@ def test_train_sigkill_then_resume_matches_unkilled(tiny_model: Path, tmp_path: 
                              functools.partial(_saved_update_reaches, partial, target), draw.uniform(0.0, 0.8))
             fig.faults_injected += landed
             fig.resumes += landed
+            _known_torn_save(run / "train" / "checkpoints", fig)
         result = json.loads(legorl("train", "--run", str(run), "--resume", *args).stdout)
         final = run / "train" / "checkpoints" / "step-0"
         fig.rows_lost += not (final / "config.json").exists()
@@ -208,6 +226,24 @@ def test_train_killed_after_its_metrics_writes_them_once(tiny_model: Path, tmp_p
     assert datasets(report)["train/metrics"]["duplicate_keys"] == 0
 
 
+@pytest.mark.xfail(strict=True, reason=TORN_SAVE)
+def test_train_resumes_after_a_kill_inside_a_checkpoint_save(tiny_model: Path, tmp_path: Path,
+                                                             figures: Figures) -> None:
+    run = _train_run(tiny_model, tmp_path / "run")
+    args = ["train", "--run", str(run), "--model", str(tiny_model), "--groups-per-batch", "1", "--resume", "--json"]
+    checkpoints = run / "train" / "checkpoints"
+    with figures.stage("train (kill inside a TRL save)") as fig:
+        landed = kill_at(start(*args), lambda: (checkpoints / "step-0.partial" / "checkpoint-1").exists(), 0.0)
+        if not landed or not _torn_saves(checkpoints):
+            pytest.skip("the kill missed the save")
+        fig.faults_injected += 1
+        fig.resumes += 1
+        done = legorl(*args, check=False)
+        fig.rows_lost += done.returncode != 0
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert (checkpoints / "step-0" / "config.json").exists()
+
+
 def _saved_update_reaches(partial: Path, update: int) -> bool:
     """Whether TRL has saved update ``update`` (or a later one) under ``step-S.partial``."""
     numbers = [int(p.name.rsplit("-", 1)[1]) for p in partial.glob("checkpoint-*")]
@@ -235,6 +271,7 @@ def test_loop_sigkill_then_rerun(tiny_model: Path, base_image: str, tmp_path: Pa
             landed = kill_at(start(*args), has_parts(run / "rollouts", target), draw.uniform(0.0, 6.0))
             fig.faults_injected += landed
             fig.resumes += landed
+            _known_torn_save(checkpoints, fig)
         legorl(*args)
         keys = _keys(run / "rollouts", Kind.ROLLOUTS)
         graded = _keys(run / "grades", Kind.GRADES)
@@ -338,7 +375,34 @@ def test_serve_proxy_sigkill_keeps_finished_sessions_once(tiny_model: Path, tmp_
     assert expected <= set(keys), "a session finished before the kill is missing"
     assert len(keys) == len(set(keys)), "a session was written twice"
     assert set(keys) <= {_session_key(s) for s in tried}
-    assert_clean(inspect(run))
+    report = inspect(run)
+    fig.notes.append(f"{datasets(report)['proxy']['temp_files']} temp file(s) left by kills mid-write (STALE_TEMP)")
+    assert_clean(report, known_temp_files=("proxy",))
     for row in shards.read_rows(run / "proxy", Kind.ROLLOUTS):  # each capture is its own session's
         sid = row.task_id.removeprefix("proxy/")
         assert f"session {sid}" in (row.messages or ""), row.trial_id
+
+
+STALE_TEMP = (
+    "legorl/shards.py write_table: a writer killed mid-write leaves its .part-*.parquet.tmp, and no writer ever "
+    "removes one (readers ignore it, `legorl inspect` counts it for ever); part names "
+    "already carry the writer's pid (_new_part_name), so a writer could sweep those of dead pids")
+
+
+@pytest.mark.xfail(strict=True, reason=STALE_TEMP)
+def test_serve_proxy_rerun_sweeps_a_killed_writers_temp_file(tiny_model: Path, tmp_path: Path,
+                                                             figures: Figures) -> None:
+    run = tmp_path / "proxy-run"
+    (run / "proxy").mkdir(parents=True)
+    # what a serve-proxy SIGKILLed inside a shard write leaves (the random kills above hit it often)
+    (run / "proxy" / ".part-00000000000000000000-999999-deadbeef.parquet.tmp").write_bytes(b"PAR1 torn")
+    with figures.stage("serve-proxy (a killed writer's temp file)") as fig:
+        fig.faults_injected += 1
+        fig.resumes += 1
+        proc, url = _serve(tiny_model, run)
+        _Client(url).one()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, stderr_of(proc)
+        report = inspect(run)
+    assert len(_proxy_keys(run)) == 1
+    assert datasets(report)["proxy"]["temp_files"] == 0
