@@ -119,12 +119,18 @@ class Checkpoints:
     def staging(self, step: int) -> Path:
         return self.root / f".step-{step}.tmp"
 
+    # What a whole TRL save holds; the Trainer writes trainer_state.json last, and a kill inside a
+    # save (or inside the rotation that deletes the previous one) leaves a folder missing some.
+    SAVE_FILES = ("config.json", "optimizer.pt", "trainer_state.json")
+
     def partial_saves(self, step: int) -> list[Path]:
-        """TRL's saves of an interrupted step, oldest first."""
+        """TRL's complete saves of an interrupted step, oldest first (a torn one is skipped)."""
         partial = self.partial(step)
         if not partial.is_dir():
             return []
-        return sorted(partial.glob("checkpoint-*"), key=lambda path: int(path.name.rsplit("-", 1)[-1]))
+        saves = [path for path in partial.glob("checkpoint-*")
+                 if all((path / name).exists() for name in self.SAVE_FILES) and any(path.glob("*.safetensors"))]
+        return sorted(saves, key=lambda path: int(path.name.rsplit("-", 1)[-1]))
 
     def latest(self) -> Path | None:
         """The checkpoint ``latest`` names, if it is a complete model folder."""

@@ -2,8 +2,10 @@
 
 The contract:
 
-- a writer writes ``.part-*.parquet.tmp``, fsyncs it and renames it into place, so a reader never
-  sees half a file and a killed stage loses at most what was in flight;
+- a writer writes ``.part-*.parquet.<host>.tmp``, fsyncs it and renames it into place, so a reader
+  never sees half a file and a killed stage loses at most what was in flight (the next writer in
+  the folder removes the temp files of this host's dead writers); a write that fails (a full disk)
+  is a :class:`~legorl.errors.ShardError` and leaves no temp file;
 - part names sort in write order, and when a key appears twice the row from the later file wins
   (a rerun that supersedes an infrastructure failure, say); :func:`read` reports how many;
 - every file carries its kind, schema version and the command that wrote it in its metadata, and
@@ -12,8 +14,11 @@ The contract:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shlex
+import socket
 import sys
 import time
 import uuid
@@ -59,6 +64,42 @@ def part_files(path: str | os.PathLike[str]) -> list[Path]:
 def _new_part_name() -> str:
     # Sortable by write time; pid + random suffix keep concurrent writers apart.
     return f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.parquet"
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+# .part-<ns>-<pid>-<hex>.parquet.<host>.tmp (or, from earlier versions, without the host)
+_TEMP_NAME = re.compile(r"^\.part-\d+-(\d+)-[0-9a-f]+\.parquet(?:\.([A-Za-z0-9_-]+))?\.tmp$")
+_swept: set[Path] = set()
+
+
+def _sweep_dead_writers(folder: Path) -> None:
+    """Remove the temp files of writers on this host that died mid-write (once per folder and process).
+
+    Readers never see a temp file; this only keeps ``inspect`` from counting it for ever. A temp
+    file of another host (a shared filesystem) is left alone: its writer's pid means nothing here.
+    """
+    if folder in _swept:
+        return
+    _swept.add(folder)
+    for entry in os.scandir(folder):
+        match = _TEMP_NAME.match(entry.name)
+        if match is None or (match.group(2) or _HOST) != _HOST:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _current_command() -> str:
@@ -138,8 +179,9 @@ def write_table(
         META_CREATED: f"{time.time():.3f}".encode(),
     }
     table = table.replace_schema_metadata(metadata)
+    _sweep_dead_writers(folder)
     final = folder / _new_part_name()
-    tmp = folder / f".{final.name}.tmp"
+    tmp = folder / f".{final.name}.{_HOST}.tmp"
     try:
         with open(tmp, "wb") as handle:
             # Dictionary encoding and statistics buy nothing on token lists and cost most of the
@@ -151,8 +193,11 @@ def write_table(
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # a full or failing disk: what was committed before stays whole
+            raise ShardError(folder, f"cannot commit a part file: {exc.strerror or exc}; the files committed "
+                                     "before it are intact (free space, then rerun: the stage resumes)") from None
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
     try:

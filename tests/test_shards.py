@@ -209,6 +209,41 @@ def test_temp_files_are_ignored_by_readers(tmp_path: Path) -> None:
     assert shards.read(tmp_path, Kind.ROLLOUTS).table.num_rows == 1
 
 
+def test_a_writer_sweeps_the_temp_files_of_dead_writers_only(tmp_path: Path) -> None:
+    import os
+    import socket
+    import subprocess
+
+    probe = subprocess.Popen(["true"])
+    probe.wait()
+    dead_pid = probe.pid  # a writer that has exited
+    host = shards._HOST
+    assert host and socket.gethostname()
+    torn = tmp_path / f".part-{1:020d}-{dead_pid}-deadbeef.parquet.{host}.tmp"
+    legacy = tmp_path / f".part-{2:020d}-{dead_pid}-deadbeef.parquet.tmp"
+    live = tmp_path / f".part-{3:020d}-{os.getppid()}-deadbeef.parquet.{host}.tmp"
+    remote = tmp_path / f".part-{4:020d}-{dead_pid}-deadbeef.parquet.otherhost.tmp"
+    for path in (torn, legacy, live, remote):
+        path.write_bytes(b"PAR1 torn")
+    shards.write(tmp_path, Kind.ROLLOUTS, [make_trial()])
+    assert not torn.exists() and not legacy.exists()
+    assert live.exists() and remote.exists()  # a live writer's, and another host's (pids mean nothing here)
+
+
+def test_a_full_disk_is_one_shard_error_and_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    shards.write(tmp_path, Kind.ROLLOUTS, [make_trial(sample=0)])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    monkeypatch.setattr(shards.pq, "write_table", full)
+    with pytest.raises(ShardError, match="cannot commit a part file: No space left on device"):
+        shards.write(tmp_path, Kind.ROLLOUTS, [make_trial(sample=1)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_shard_writer_commits_in_batches(tmp_path: Path) -> None:
     with shards.ShardWriter(tmp_path, Kind.METRICS, rows_per_file=2) as writer:
         for step in range(5):

@@ -103,7 +103,7 @@ def summarize_dataset(name: str, folder: Path, kind: Kind) -> dict[str, Any]:
         "schema_versions": sorted({i.schema_version for i in infos if i.schema_version is not None}),
         "commands": sorted({i.command for i in infos if i.command})[:5],
         "duplicate_keys": dataset.duplicates,
-        "temp_files": len(list(folder.glob(".*.parquet.tmp"))),
+        "temp_files": len(list(folder.glob(".part-*.tmp"))),
         "breakdown": _breakdown(dataset),
     }
 

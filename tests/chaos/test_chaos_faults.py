@@ -256,15 +256,8 @@ def _fill(path: Path) -> None:
             out.flush()
 
 
-_ROLLOUT_ENOSPC = (
-    "stages/rollout.py (rollout_stage -> ShardWriter.add) lets the OSError of legorl/shards.py write_table "
-    "escape: a full disk ends `legorl rollout` with a Python traceback, not one error line (the shards "
-    "themselves stay whole); fix in shards.write_table: raise ShardError(folder, strerror) on OSError")
-
-
 @pytest.mark.podman
-@pytest.mark.parametrize("stage", ["grade", pytest.param("rollout", marks=pytest.mark.xfail(
-    strict=True, reason=_ROLLOUT_ENOSPC))])
+@pytest.mark.parametrize("stage", ["grade", "rollout"])
 def test_disk_fills_under_a_stage(stage: str, tiny_model: Path, base_image: str, tmp_path: Path,
                                   figures: Figures) -> None:
     with _small_disk(tmp_path / "small") as disk, figures.stage(f"disk-full ({stage})") as fig:
