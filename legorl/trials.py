@@ -31,7 +31,7 @@ from typing import Protocol
 from legorl.errors import ConfigError, LegorlError
 from legorl.harnesses import Harness, parse_names
 from legorl.harnesses import get as get_harness
-from legorl.harnesses.base import LOG_NAME, End, HarnessRun, ProxyView, TrialSpec, classify
+from legorl.harnesses.base import KILL_GRACE_S, LOG_NAME, End, HarnessRun, ProxyView, TrialSpec, classify
 from legorl.harnesses.channel import ProxyChannel
 from legorl.harnesses.trialfiles import defuse_tree, remove_tree
 from legorl.paths import RunDir
@@ -123,6 +123,34 @@ def _line(exc: BaseException) -> str:
     """An exception as one line of a trial's error (LegorlErrors say what happened themselves)."""
     text = str(exc) if isinstance(exc, LegorlError) else f"{type(exc).__name__}: {exc}"
     return (text.splitlines() or [type(exc).__name__])[0][:2000]
+
+
+# How long past its wall-clock limit a harness may take to return (its own kill and cleanup).
+HARNESS_GRACE_S = KILL_GRACE_S + 30.0
+
+
+def run_bounded(harness: Harness, spec: TrialSpec, box: Sandbox, trial_dir: Path, limit_s: float) -> HarnessRun:
+    """``harness.run``, but never past ``limit_s``: a harness that does not honour its own limit (a
+    Python plug-in blocked on a pipe its helper's child holds open) is left behind in its thread,
+    and the trial ends as killed at the limit; removing the sandbox then usually unblocks it."""
+    done: list[HarnessRun] = []
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            done.append(harness.run(spec, box, trial_dir))
+        except BaseException as exc:  # re-raised in the trial's thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=target, name=f"harness-{spec.trial_id}"[:60], daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    if worker.is_alive():
+        return HarnessRun(End.TIME_LIMIT, f"the harness did not return within {limit_s:.0f} s of its start",
+                          None, True, limit_s, trial_dir / LOG_NAME)
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 class TrialRunner:
@@ -217,7 +245,7 @@ class TrialRunner:
             )
             t1 = time.monotonic()
             try:
-                run = harness.run(spec, box, trial_dir)
+                run = run_bounded(harness, spec, box, trial_dir, cfg.timeout_s + HARNESS_GRACE_S)
             except LegorlError as exc:  # the sandbox failed under the harness: classified below
                 run = HarnessRun(End.CRASHED, _line(exc), None, False, time.monotonic() - t1, trial_dir / LOG_NAME)
             timings.agent_s = run.duration_s

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -237,20 +238,25 @@ class ProcessHarness(BaseHarness):
 # --------------------------------------------------------------------------- processes
 
 
-_host_procs: set[subprocess.Popen[bytes]] = set()
+_host_procs: dict[subprocess.Popen[bytes], str] = {}  # each host-run harness and its run marker
 _host_mu = threading.Lock()
+# In the environment of every process a host-run harness starts: a child that leaves the harness's
+# process group (setsid) still carries it, and is found by it when the run ends.
+RUN_MARKER = "LEGORL_HARNESS_RUN"
 
 
 def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcResult:
-    """Run on the host in its own session; on timeout the whole process group is killed."""
+    """Run on the host in its own session; on timeout the whole process group is killed, and when
+    the run ends every process still carrying its marker (a child that left the group) is too."""
     start = time.monotonic()
+    marker = secrets.token_hex(8)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=launch.env, cwd=cwd, start_new_session=True,
+            env={**launch.env, RUN_MARKER: marker}, cwd=cwd, start_new_session=True,
         )
         with _host_mu:
-            _host_procs.add(proc)
+            _host_procs[proc] = marker
         timed_out = False
         try:
             proc.wait(timeout=timeout_s)
@@ -261,18 +267,44 @@ def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcR
             kill_group(proc, 0)
             raise
         finally:
+            kill_marked({marker})
             with _host_mu:
-                _host_procs.discard(proc)
+                _host_procs.pop(proc, None)
     return ProcResult(proc.returncode, timed_out, time.monotonic() - start, tail(log))
 
 
+def kill_marked(markers: set[str]) -> int:
+    """KILL every process whose environment carries one of ``markers`` (see :data:`RUN_MARKER`); how many.
+
+    A process that rewrites its own environment escapes this; it can only be a harness's own
+    process on the host (agents run in their containers), so this is a safety net, not a boundary.
+    """
+    wanted = {f"{RUN_MARKER}={m}".encode() for m in markers}
+    killed = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as handle:
+                environ = set(handle.read().split(b"\0"))
+        except OSError:  # gone, or not ours to read
+            continue
+        if environ & wanted:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    return killed
+
+
 def kill_host_processes() -> None:
-    """KILL every host-run harness of this process (their own sessions escape our signals)."""
+    """KILL every host-run harness of this process and what it started (their own sessions escape our signals)."""
     with _host_mu:
-        procs = list(_host_procs)
+        procs = dict(_host_procs)
     for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+    if procs:
+        kill_marked(set(procs.values()))
 
 
 def kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
