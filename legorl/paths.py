@@ -109,6 +109,7 @@ class Checkpoints:
 
     LATEST = "latest"
     INIT_FILE = "legorl_init.json"
+    METRICS_DIR = "metrics"  # in step-<S>/: the step's metrics rows, published to RUN/train/metrics once
 
     def step(self, step: int) -> Path:
         return self.root / f"step-{step}"

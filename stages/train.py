@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from legorl import metric_keys as mk
+from legorl import shards
 from legorl.errors import LegorlError
 from legorl.paths import INFO_FILE, Checkpoints, RunDir
+from legorl.schemas import Kind
 from legorl.training.advantages import group_advantages
 from legorl.training.batching import make_batches, token_micro_batches
 from legorl.training.config import TrainConfig
@@ -125,6 +127,7 @@ def run_train(
         if not resume:
             raise LegorlError(f"{final} exists: step {data.step} is trained already (--resume skips it, --out trains elsewhere)")
         info = json.loads((final / INFO_FILE).read_text()) if (final / INFO_FILE).exists() else {}
+        publish_metrics(final, run.metrics, data.step)  # a kill between the commit and the publish
         return TrainResult(data.step, final, info.get("updates", 0), len(data.trials), len(data.sequences),
                            dict(data.dropped), info.get("metrics", {}), info.get("started_from", ""), already_done=True)
 
@@ -169,7 +172,6 @@ def run_train(
         mk.PERF_WALL_S: wall,
         mk.UPDATES: float(state.global_step),
     })
-    recorder.write(run.metrics, data.step)
     started_from = str(resume_ckpt or init_from)
     summary = recorder.summary()
 
@@ -182,6 +184,7 @@ def run_train(
     trainer._save_optimizer_and_scheduler(str(tmp))
     trainer._save_rng_state(str(tmp))
     state.save_to_json(str(tmp / "trainer_state.json"))
+    recorder.write(tmp / Checkpoints.METRICS_DIR, data.step)  # committed with the checkpoint, published after it
     (tmp / INFO_FILE).write_text(json.dumps({
         "step": data.step, "run": str(run.root), "started_from": started_from, "updates": state.global_step,
         "trials": len(data.trials), "sequences": len(data.sequences), "dropped": dict(data.dropped),
@@ -189,9 +192,24 @@ def run_train(
     }, indent=2, sort_keys=True))
     os.replace(tmp, final)
     checkpoints.set_latest(final)
+    publish_metrics(final, run.metrics, data.step)
     shutil.rmtree(partial, ignore_errors=True)
     return TrainResult(data.step, final, state.global_step, len(data.trials), len(data.sequences),
                        dict(data.dropped), summary, started_from)
+
+
+def publish_metrics(checkpoint: Path, metrics: Path, step: int) -> None:
+    """Add the step's metrics rows, committed inside its checkpoint, to ``RUN/train/metrics`` unless
+    they are there already: written once whenever the stage is killed (a kill before the checkpoint
+    is committed retrains the step and writes nothing twice; one after it publishes on the rerun)."""
+    source = checkpoint / Checkpoints.METRICS_DIR
+    if not shards.part_files(source):
+        return  # a checkpoint from before metrics were committed with it
+    if shards.part_files(metrics):
+        steps = shards.read(metrics, Kind.METRICS, columns=["step"]).table.column("step").to_pylist()
+        if step in steps:
+            return
+    shards.write(metrics, Kind.METRICS, shards.read_rows(source, Kind.METRICS))
 
 
 def _build_trainer(

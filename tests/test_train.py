@@ -295,3 +295,24 @@ def test_cli_train_json_and_one_line_errors(exact_run: RunDir, tiny_model: Path,
     assert bad.exit_code == 2 and "--loss" in bad.output and "'ppo' is not one of" in bad.output
     bad = runner.invoke(app, ["train", "--run", str(exact_run.root), "--model", str(tiny_model), "--is-cap", "0"])
     assert isinstance(bad.exception, LegorlError) and "--is-cap must be > 0" in str(bad.exception)
+
+
+def test_a_steps_metrics_are_published_from_its_checkpoint_once(tmp_path: Path) -> None:
+    """The metrics rows are committed inside the checkpoint and added to RUN/train/metrics once,
+    whether the stage was killed before or after the commit (a rerun publishes what is missing)."""
+    from legorl import shards
+    from legorl.paths import Checkpoints
+    from legorl.schemas import Kind, MetricRow
+    from legorl.stages.train import publish_metrics
+
+    checkpoint, metrics = tmp_path / "step-3", tmp_path / "metrics"
+    rows = [MetricRow(step=3, key="loss", value=0.5), MetricRow(step=3, key="entropy", value=1.5)]
+    shards.write(checkpoint / Checkpoints.METRICS_DIR, Kind.METRICS, rows)
+    shards.write(metrics, Kind.METRICS, [MetricRow(step=2, key="loss", value=0.9)])
+    for _ in range(3):  # the commit's publish, then two reruns finding the step trained
+        publish_metrics(checkpoint, metrics, 3)
+    dataset = shards.read(metrics, Kind.METRICS)
+    assert dataset.duplicates == 0
+    assert sorted((r["step"], r["key"]) for r in dataset.table.to_pylist()) == [(2, "loss"), (3, "entropy"), (3, "loss")]
+    publish_metrics(tmp_path / "step-1-from-an-older-legorl", metrics, 1)  # nothing committed with it: no-op
+    assert shards.read(metrics, Kind.METRICS).table.num_rows == 3
