@@ -238,7 +238,7 @@ def test_a_full_disk_is_one_shard_error_and_leaves_no_temp_file(tmp_path: Path, 
 
     shards.write(tmp_path, Kind.ROLLOUTS, [make_trial(sample=0)])
     before = sorted(p.name for p in tmp_path.iterdir())
-    monkeypatch.setattr(shards.pq, "write_table", full)
+    monkeypatch.setattr(pq, "write_table", full)
     with pytest.raises(ShardError, match="cannot commit a part file: No space left on device"):
         shards.write(tmp_path, Kind.ROLLOUTS, [make_trial(sample=1)])
     assert sorted(p.name for p in tmp_path.iterdir()) == before
