@@ -17,21 +17,27 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from legorl.proxy.core import CallResult, ChatRequest
 from legorl.proxy.openai_api import dumps
+from legorl.proxy.request_parts import (
+    function_tool,
+    indexed_objects,
+    messages_array,
+    temperature_and_top_p,
+    tool_specs,
+)
 from legorl.proxy.validate import (
     INT64_MAX,
     BadRequest,
     check_types,
-    json_schema,
     obj,
     opt_bool,
     opt_int,
     opt_list,
-    opt_num,
     opt_str,
     req_str,
 )
@@ -72,11 +78,20 @@ def _text_of(value: Any, where: str) -> str:
     return "\n".join(parts)
 
 
+def _typed_blocks(content: Any, where: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """``(where[i], type, block)`` for each block of a turn's array of content blocks."""
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}: expected a string or an array of blocks", where)
+    for w, b in indexed_objects(content, where):
+        kind = b.get("type")
+        if not isinstance(kind, str):
+            raise BadRequest(f"{w}.type: required string", f"{w}.type")
+        yield w, kind, b
+
+
 def _user_turn(content: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    if not isinstance(content, list):
-        raise BadRequest(f"{where}: expected a string or an array of blocks", where)
     out: list[dict[str, Any]] = []
     texts: list[str] = []
 
@@ -85,12 +100,7 @@ def _user_turn(content: Any, where: str) -> list[dict[str, Any]]:
             out.append({"role": "user", "content": "\n".join(texts)})
             texts.clear()
 
-    for i, block in enumerate(content):
-        w = f"{where}[{i}]"
-        b = obj(block, w)
-        kind = b.get("type")
-        if not isinstance(kind, str):
-            raise BadRequest(f"{w}.type: required string", f"{w}.type")
+    for w, kind, b in _typed_blocks(content, where):
         if kind == "text":
             texts.append(req_str(b, "text", f"{w}."))
         elif kind == "tool_result":
@@ -110,16 +120,9 @@ def _user_turn(content: Any, where: str) -> list[dict[str, Any]]:
 def _assistant_turn(content: Any, where: str) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    if not isinstance(content, list):
-        raise BadRequest(f"{where}: expected a string or an array of blocks", where)
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for i, block in enumerate(content):
-        w = f"{where}[{i}]"
-        b = obj(block, w)
-        kind = b.get("type")
-        if not isinstance(kind, str):
-            raise BadRequest(f"{w}.type: required string", f"{w}.type")
+    for w, kind, b in _typed_blocks(content, where):
         if kind == "text":
             texts.append(req_str(b, "text", f"{w}."))
         elif kind == "tool_use":
@@ -137,42 +140,24 @@ def _assistant_turn(content: Any, where: str) -> dict[str, Any]:
 
 
 def canonical_tools(value: Any) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise BadRequest("tools: expected an array", "tools")
     out = []
-    for i, t in enumerate(value):
-        w = f"tools[{i}]"
-        t = obj(t, w)
+    for w, t in tool_specs(value):
         if "input_schema" not in t and t.get("type") not in (None, "custom"):
             continue  # server tools (web search, bash_2025...): nothing the model renders
-        name = req_str(t, "name", f"{w}.")
-        fn: dict[str, Any] = {"name": name}
-        desc = opt_str(t, "description", f"{w}.")
-        if desc is not None:
-            fn["description"] = desc
-        fn["parameters"] = json_schema(t.get("input_schema"), f"{w}.input_schema")
-        out.append({"type": "function", "function": fn})
+        out.append(function_tool(t, "input_schema", f"{w}."))
     return out or None
 
 
 def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, AnthropicOptions]:
     body = obj(body, "body")
-    raw = body.get("messages")
-    if not isinstance(raw, list):
-        raise BadRequest("messages: required array", "messages")
-    if not raw:
-        raise BadRequest("messages: must not be empty", "messages")
+    raw = messages_array(body.get("messages"))
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
         text = _text_of(system, "system")
         if text or isinstance(system, str):
             messages.append({"role": "system", "content": text})
-    for i, m in enumerate(raw):
-        w = f"messages[{i}]"
-        m = obj(m, w)
+    for w, m in indexed_objects(raw, "messages"):
         role = m.get("role")
         if role == "user":
             messages.extend(_user_turn(m.get("content"), f"{w}.content"))
@@ -196,15 +181,13 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, Anthropic
     stop = opt_list(body, "stop_sequences") or []
     if not all(isinstance(s, str) for s in stop):
         raise BadRequest("stop_sequences: expected an array of strings", "stop_sequences")
-    temperature = opt_num(body, "temperature", lo=0.0, hi=1.0)
-    top_p = opt_num(body, "top_p", lo=0.0, hi=1.0, lo_open=True)
+    temperature, top_p = temperature_and_top_p(body, max_temperature=1.0)
     top_k = opt_int(body, "top_k", lo=0, hi=INT64_MAX)
     stream = opt_bool(body, "stream")
     check_types(body, _IGNORED_TYPES)
     req = ChatRequest(
         api="anthropic", messages=messages, tools=tools, parse_tools=parse_tools, stream=stream,
-        max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, stop=list(stop),
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k or 0, stop=list(stop),
     )
     return req, AnthropicOptions(model=model)
 

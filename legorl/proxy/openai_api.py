@@ -18,17 +18,22 @@ from typing import Any
 
 from legorl.proxy.core import CallResult, ChatRequest
 from legorl.proxy.render import ChatRenderer
+from legorl.proxy.request_parts import (
+    function_tool,
+    indexed_objects,
+    messages_array,
+    temperature_and_top_p,
+    tool_specs,
+)
 from legorl.proxy.validate import (
     INT64_MAX,
     INT64_MIN,
     BadRequest,
     check_types,
-    json_schema,
     obj,
     opt_bool,
     opt_int,
     opt_list,
-    opt_num,
     opt_obj,
     opt_str,
     req_str,
@@ -85,9 +90,7 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise BadRequest(f"{where}: expected an array", where)
     out = []
-    for i, tc in enumerate(value):
-        w = f"{where}[{i}]"
-        tc = obj(tc, w)
+    for w, tc in indexed_objects(value, where):
         fn = obj(tc.get("function"), f"{w}.function")
         name = req_str(fn, "name", f"{w}.function.")
         args = fn.get("arguments", "{}")
@@ -105,14 +108,8 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 
 def canonical_messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list):
-        raise BadRequest("messages: required array", "messages")
-    if not value:
-        raise BadRequest("messages: must not be empty", "messages")
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(value):
-        w = f"messages[{i}]"
-        m = obj(m, w)
+    for w, m in indexed_objects(messages_array(value), "messages"):
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
             raise BadRequest(f"{w}.role: must be one of {', '.join(_ROLES)}", f"{w}.role")
@@ -132,25 +129,11 @@ def canonical_messages(value: Any) -> list[dict[str, Any]]:
 
 
 def canonical_tools(value: Any) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise BadRequest("tools: expected an array", "tools")
     out = []
-    for i, t in enumerate(value):
-        w = f"tools[{i}]"
-        t = obj(t, w)
-        kind = t.get("type", "function")
-        if kind != "function":
+    for w, t in tool_specs(value):
+        if t.get("type", "function") != "function":
             continue  # built-in tools of other providers: not renderable, skipped
-        fn = obj(t.get("function"), f"{w}.function")
-        name = req_str(fn, "name", f"{w}.function.")
-        entry: dict[str, Any] = {"name": name}
-        desc = opt_str(fn, "description", f"{w}.function.")
-        if desc is not None:
-            entry["description"] = desc
-        entry["parameters"] = json_schema(fn.get("parameters"), f"{w}.function.parameters")
-        out.append({"type": "function", "function": entry})
+        out.append(function_tool(obj(t.get("function"), f"{w}.function"), "parameters", f"{w}.function."))
     return out or None
 
 
@@ -186,8 +169,7 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, OpenAIOpt
         stop = list(stop_raw)
     else:
         raise BadRequest("stop: expected a string or an array of strings", "stop")
-    temperature = opt_num(body, "temperature", lo=0.0, hi=2.0)
-    top_p = opt_num(body, "top_p", lo=0.0, hi=1.0, lo_open=True)
+    temperature, top_p = temperature_and_top_p(body, max_temperature=2.0)
     top_k = opt_int(body, "top_k", hi=INT64_MAX)
     seed = opt_int(body, "seed", lo=INT64_MIN, hi=INT64_MAX)
     logprobs = opt_bool(body, "logprobs")
@@ -195,8 +177,8 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, OpenAIOpt
     check_types(body, _IGNORED_TYPES)
     req = ChatRequest(
         api="openai", messages=messages, tools=tools, parse_tools=parse_tools, stream=stream,
-        max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p, top_k=max(0, top_k or 0), seed=seed, stop=stop,
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(0, top_k or 0), seed=seed,
+        stop=stop,
     )
     return req, OpenAIOptions(model=model, include_usage=include_usage, logprobs=logprobs,
                               return_token_ids=body.get("return_token_ids") is True)

@@ -1,0 +1,52 @@
+"""The pieces of a request the OpenAI and Anthropic front ends read alike: arrays of objects named
+by index in errors, the ``messages`` array, function tools, and the sampling parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from legorl.proxy.validate import BadRequest, json_schema, obj, opt_num, opt_str, req_str
+
+
+def indexed_objects(items: list[Any], where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where[i], item)`` for each item of ``items``, each one required to be an object."""
+    for i, item in enumerate(items):
+        w = f"{where}[{i}]"
+        yield w, obj(item, w)
+
+
+def messages_array(value: Any) -> list[Any]:
+    """The request's ``messages``: a required, non-empty array."""
+    if not isinstance(value, list):
+        raise BadRequest("messages: required array", "messages")
+    if not value:
+        raise BadRequest("messages: must not be empty", "messages")
+    return value
+
+
+def tool_specs(value: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(tools[i], tool)`` for each tool of the request's ``tools`` (none when it is null)."""
+    if value is None:
+        return iter(())
+    if not isinstance(value, list):
+        raise BadRequest("tools: expected an array", "tools")
+    return indexed_objects(value, "tools")
+
+
+def function_tool(spec: dict[str, Any], schema_key: str, where: str) -> dict[str, Any]:
+    """The canonical tool of a spec holding ``name``, an optional ``description`` and its
+    parameters' JSON schema under ``schema_key``; ``where`` prefixes the spec's fields in errors."""
+    fn: dict[str, Any] = {"name": req_str(spec, "name", where)}
+    desc = opt_str(spec, "description", where)
+    if desc is not None:
+        fn["description"] = desc
+    fn["parameters"] = json_schema(spec.get(schema_key), where + schema_key)
+    return {"type": "function", "function": fn}
+
+
+def temperature_and_top_p(body: dict[str, Any], max_temperature: float) -> tuple[float, float]:
+    """``temperature`` in [0, max_temperature] and ``top_p`` in (0, 1], each 1.0 when absent."""
+    temperature = opt_num(body, "temperature", lo=0.0, hi=max_temperature)
+    top_p = opt_num(body, "top_p", lo=0.0, hi=1.0, lo_open=True)
+    return 1.0 if temperature is None else temperature, 1.0 if top_p is None else top_p
