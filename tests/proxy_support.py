@@ -1,12 +1,21 @@
-"""Shared pieces of the proxy tests: a scripted engine steered by the prompt, tools, replies."""
+"""Shared pieces of the proxy tests: a scripted engine steered by the prompt, tools, replies, and
+the proxies they run against (import a fixture by name into a test module to use it there)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import pytest
+from transformers import AutoTokenizer
+
 from legorl.engines.scripted import ScriptedCall, ScriptedEngine
+from legorl.proxy.server import ProxyServer
 
 BASH = {
     "type": "function",
@@ -63,3 +72,40 @@ def an(proxy: Any, sid: str) -> Any:
     import anthropic
 
     return anthropic.Anthropic(base_url=proxy.anthropic_base_url(sid), api_key="x", max_retries=0)
+
+
+@contextmanager
+def scripted_proxy(tokenizer: Any, **options: Any) -> Iterator[ProxyServer]:
+    """A running ProxyServer on :func:`scripted_engine`."""
+    with ProxyServer(scripted_engine(tokenizer), tokenizer, **options) as server:
+        yield server
+
+
+@contextmanager
+def embedded_proxy(model: Path) -> Iterator[ProxyServer]:
+    """A running ProxyServer on the embedded engine running ``model`` (closed after it)."""
+    from legorl.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(model)
+    with ProxyServer(engine, model) as server:
+        yield server
+    asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def proxy(tokenizer: Any) -> Iterator[ProxyServer]:
+    """The proxy on the scripted engine."""
+    with scripted_proxy(tokenizer) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def real_proxy(tiny_model: Path) -> Iterator[ProxyServer]:
+    """The proxy on the embedded tiny model."""
+    with embedded_proxy(tiny_model) as server:
+        yield server

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import openai
+import proxy_support
 import pytest
 from proxy_support import ANTHROPIC_TOOLS, TOOLS, an, call_bash, oa, say, scripted_engine
-from transformers import AutoTokenizer
 
 from legorl import shards
 from legorl.paths import RunDir
@@ -26,16 +25,8 @@ from legorl.proxy.budgets import Budgets
 from legorl.proxy.server import ProxyServer
 from legorl.schemas import Kind, SegmentReason
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def proxy(tokenizer: Any) -> Iterator[ProxyServer]:
-    with ProxyServer(scripted_engine(tokenizer), tokenizer) as server:
-        yield server
+# the proxy tests' fixtures, bound here so that pytest finds them
+tokenizer, proxy, real_proxy = proxy_support.tokenizer, proxy_support.proxy, proxy_support.real_proxy
 
 
 def assert_token_identity(proxy: ProxyServer, sid: str, tools: list[dict] | None) -> None:
@@ -369,16 +360,6 @@ def test_api_key_and_session_api(tokenizer: Any, tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ real model
-
-
-@pytest.fixture(scope="module")
-def real_proxy(tiny_model: Path) -> Iterator[ProxyServer]:
-    from legorl.engines.embedded import EmbeddedEngine
-
-    engine = EmbeddedEngine(tiny_model)
-    with ProxyServer(engine, tiny_model) as server:
-        yield server
-    asyncio.run(engine.close())
 
 
 def test_real_model_openai_and_anthropic(real_proxy: ProxyServer) -> None:

@@ -14,23 +14,15 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import proxy_support
 import pytest
-from proxy_support import ANTHROPIC_TOOLS, TOOLS, an, oa, scripted_engine
-from transformers import AutoTokenizer
+from proxy_support import ANTHROPIC_TOOLS, TOOLS, an, embedded_proxy, oa, scripted_engine
 
 from legorl.proxy import anthropic_api, openai_api
 from legorl.proxy.server import ProxyServer
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def proxy(tokenizer: Any) -> Iterator[ProxyServer]:
-    with ProxyServer(scripted_engine(tokenizer), tokenizer) as server:
-        yield server
+# the proxy tests' fixtures, bound here so that pytest finds them
+tokenizer, proxy, real_proxy = proxy_support.tokenizer, proxy_support.proxy, proxy_support.real_proxy
 
 
 # ------------------------------------------------------------------ special tokens in content
@@ -144,16 +136,6 @@ def test_template_special_tokens_and_plain_text_encode_as_before(proxy: ProxySer
 
 
 # ------------------------------------------------------------------ sampling parameters, NaN logprobs
-
-
-@pytest.fixture(scope="module")
-def real_proxy(tiny_model: Path) -> Iterator[ProxyServer]:
-    from legorl.engines.embedded import EmbeddedEngine
-
-    engine = EmbeddedEngine(tiny_model)
-    with ProxyServer(engine, tiny_model) as server:
-        yield server
-    asyncio.run(engine.close())
 
 
 def test_tiny_temperatures_are_greedy_and_logprobs_stay_finite(real_proxy: ProxyServer) -> None:
@@ -328,12 +310,8 @@ def test_sessions_created_over_http_get_the_servers_default_budgets(tokenizer: A
 
 @pytest.fixture(scope="module")
 def moe_proxy(tiny_moe_model: Path) -> Iterator[ProxyServer]:
-    from legorl.engines.embedded import EmbeddedEngine
-
-    engine = EmbeddedEngine(tiny_moe_model)
-    with ProxyServer(engine, tiny_moe_model) as server:
+    with embedded_proxy(tiny_moe_model) as server:
         yield server
-    asyncio.run(engine.close())
 
 
 def _routing(seg: Any) -> Any:

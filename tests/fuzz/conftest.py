@@ -9,33 +9,31 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import proxy_support
 import pytest
 from hypothesis import HealthCheck, settings
-from proxy_support import scripted_engine
-from transformers import AutoTokenizer
+from proxy_support import scripted_proxy
 
 from legorl.proxy.server import ProxyServer
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "reliability"
 API_KEY = "fuzz-key"
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model)
+# the proxy tests' fixture, bound here so that pytest finds it
+tokenizer = proxy_support.tokenizer
 
 
 @pytest.fixture(scope="module")
 def open_proxy(tokenizer: Any) -> Iterator[ProxyServer]:
     """No API key; request bodies are capped at 256 KiB so the 413 path is cheap to reach."""
-    with ProxyServer(scripted_engine(tokenizer), tokenizer) as server:
+    with scripted_proxy(tokenizer) as server:
         server.app.max_body = 256 << 10
         yield server
 
 
 @pytest.fixture(scope="module")
 def keyed_proxy(tokenizer: Any) -> Iterator[ProxyServer]:
-    with ProxyServer(scripted_engine(tokenizer), tokenizer, api_key=API_KEY) as server:
+    with scripted_proxy(tokenizer, api_key=API_KEY) as server:
         yield server
 
 
