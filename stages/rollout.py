@@ -21,8 +21,8 @@ from legorl import shards
 from legorl.engines.watched import WatchedEngine
 from legorl.errors import LegorlError
 from legorl.harnesses import get as get_harness
-from legorl.harnesses.base import kill_host_processes
 from legorl.harnesses.install import require
+from legorl.harnesses.processes import kill_host_processes
 from legorl.paths import RunDir
 from legorl.proxy.clients import ProxyHandle
 from legorl.schemas import Kind, TrialRow, trial_key

@@ -6,8 +6,9 @@ is a separate program derives from :class:`ProcessHarness`, and its adapter know
 about it: which install it needs, how to launch it for one trial (command line, environment,
 config files), and how to read how it ended. Everything else is here: the per-trial folder (HOME,
 config, logs), where the process runs (on the host, or inside the trial container), its
-environment, the wall-clock limit and the kill of its whole process group, log capture, and
-turning all that plus the proxy's view into an :class:`~legorl.schemas.Outcome`.
+environment, and turning all that plus the proxy's view into an :class:`~legorl.schemas.Outcome`;
+running the process (the wall-clock limit, the kill of its whole process group, log capture) is
+:mod:`legorl.harnesses.processes`.
 
 Harnesses never see anything of legorl but a base URL (``/sess/<trial>/v1``, or ``/sess/<trial>``
 for the Anthropic API), the task's problem statement and the repository at ``/testbed``. Inside
@@ -22,15 +23,9 @@ failure (:func:`classify`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
 import shlex
-import signal
-import subprocess
-import threading
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -38,13 +33,20 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from legorl.harnesses.install import Installation, require
+from legorl.harnesses.processes import (
+    CONTAINER_TRIAL_DIR,
+    LOG_NAME,
+    Launch,
+    ProcResult,
+    run_in_sandbox,
+    run_on_host,
+)
+from legorl.harnesses.processes import KILL_GRACE_S as KILL_GRACE_S
+from legorl.harnesses.processes import tail as tail
 from legorl.harnesses.trialfiles import read_trial_text
 from legorl.sandbox.base import Sandbox
 from legorl.schemas import Outcome, budget_outcome
 
-CONTAINER_TRIAL_DIR = "/legorl"  # where the per-trial folder is mounted inside the container
-LOG_NAME = "harness.log"
-KILL_GRACE_S = 5.0
 # What a host-run harness inherits from legorl's environment; everything else is set explicitly,
 # so a user's API keys or proxy settings never leak into (or redirect) a harness.
 _HOST_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "CONTAINERS_CONF", "XDG_RUNTIME_DIR")
@@ -80,13 +82,6 @@ class TrialSpec:
     context_tokens: int | None = None  # the engine's context, for harnesses that must be told it
 
 
-@dataclass
-class ProcResult:
-    exit_code: int | None
-    timed_out: bool
-    duration_s: float
-    log_tail: str
-
 
 @dataclass
 class HarnessRun:
@@ -117,13 +112,6 @@ class TrialPaths:
         return self.at("home")
 
 
-@dataclass
-class Launch:
-    """How to start the harness: argv and environment as the process sees them."""
-
-    argv: list[str]
-    env: dict[str, str]
-
 
 class Harness(Protocol):
     """One coding-agent harness, run unmodified for one trial at a time."""
@@ -143,13 +131,6 @@ class Harness(Protocol):
 
     def run(self, trial: TrialSpec, sandbox: Sandbox, trial_dir: Path) -> HarnessRun: ...
 
-
-def tail(path: Path, chars: int = 4000) -> str:
-    """The end of a log in the trial folder ('' when it is missing or refused)."""
-    try:
-        return read_trial_text(path, chars, tail=True)
-    except OSError:
-        return ""
 
 
 class BaseHarness(ABC):
@@ -235,102 +216,7 @@ class ProcessHarness(BaseHarness):
         return HarnessRun(end, detail, proc.exit_code, proc.timed_out, proc.duration_s, log)
 
 
-# --------------------------------------------------------------------------- processes
-
-
-_host_procs: dict[subprocess.Popen[bytes], str] = {}  # each host-run harness and its run marker
-_host_mu = threading.Lock()
-# In the environment of every process a host-run harness starts: a child that leaves the harness's
-# process group (setsid) still carries it, and is found by it when the run ends.
-RUN_MARKER = "LEGORL_HARNESS_RUN"
-
-
-def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcResult:
-    """Run on the host in its own session; on timeout the whole process group is killed, and when
-    the run ends every process still carrying its marker (a child that left the group) is too."""
-    start = time.monotonic()
-    marker = secrets.token_hex(8)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**launch.env, RUN_MARKER: marker}, cwd=cwd, start_new_session=True,
-        )
-        with _host_mu:
-            _host_procs[proc] = marker
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_group(proc, KILL_GRACE_S)
-        except BaseException:
-            kill_group(proc, 0)
-            raise
-        finally:
-            kill_marked({marker})
-            with _host_mu:
-                _host_procs.pop(proc, None)
-    return ProcResult(proc.returncode, timed_out, time.monotonic() - start, tail(log))
-
-
-def kill_marked(markers: set[str]) -> int:
-    """KILL every process whose environment carries one of ``markers`` (see :data:`RUN_MARKER`); how many.
-
-    A process that rewrites its own environment escapes this; it can only be a harness's own
-    process on the host (agents run in their containers), so this is a safety net, not a boundary.
-    """
-    wanted = {f"{RUN_MARKER}={m}".encode() for m in markers}
-    killed = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as handle:
-                environ = set(handle.read().split(b"\0"))
-        except OSError:  # gone, or not ours to read
-            continue
-        if environ & wanted:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-    return killed
-
-
-def kill_host_processes() -> None:
-    """KILL every host-run harness of this process and what it started (their own sessions escape our signals)."""
-    with _host_mu:
-        procs = dict(_host_procs)
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    if procs:
-        kill_marked(set(procs.values()))
-
-
-def kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """TERM the process group, then KILL it after ``grace_s``."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            # the leader is gone, but children in the group may linger: KILL them too
-            os.killpg(proc.pid, signal.SIGKILL)
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            pass
-        return
-
-
-def run_in_sandbox(sandbox: Sandbox, launch: Launch, timeout_s: float, workdir: str) -> ProcResult:
-    """Run inside the trial container, output to the trial folder's log; the sandbox's timeout kills
-    the harness's whole process group in the container."""
-    log = f"{CONTAINER_TRIAL_DIR}/{LOG_NAME}"
-    script = f'exec "$@" >>{log} 2>&1 </dev/null'
-    res = sandbox.exec(["sh", "-c", script, "sh", *launch.argv], timeout=timeout_s, workdir=workdir,
-                       env=launch.env)
-    return ProcResult(res.exit_code, res.timed_out, res.duration_s, res.output[-4000:])
+# --------------------------------------------------------------------------- harness output
 
 
 def json_lines(path: Path) -> list[dict[str, object]]:
