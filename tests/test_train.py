@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_support import TrialSpec, make_run
+from train_support import TrialSpec, make_run, run_fixture
 
 from legorl import metric_keys as mk
 from legorl import shards
@@ -32,17 +32,10 @@ SPECS = [
     TrialSpec("t2", 2, 1.0),
 ]
 
-
-@pytest.fixture(scope="module")
-def noisy_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
-    """Rollout logprobs perturbed (N(0, 0.3)) so importance weights vary and some hit the cap."""
-    return make_run(tmp_path_factory.mktemp("noisy") / "run", tiny_model, SPECS, logprob_noise=0.3)
-
-
-@pytest.fixture(scope="module")
-def exact_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
-    """Rollout logprobs exactly as sampled by the model in fp32."""
-    return make_run(tmp_path_factory.mktemp("exact") / "run", tiny_model, SPECS)
+# rollout logprobs perturbed (N(0, 0.3)) so importance weights vary and some hit the cap
+noisy_run = run_fixture(SPECS, logprob_noise=0.3)
+# rollout logprobs exactly as sampled by the model in fp32
+exact_run = run_fixture(SPECS)
 
 
 def _token_logps(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

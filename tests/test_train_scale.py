@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from train_support import TrialSpec, make_run
+from train_support import TrialSpec, run_fixture
 
 from legorl.paths import RunDir
 from legorl.stages.train import _build_trainer, prepare
@@ -27,15 +27,8 @@ SPECS = [
     TrialSpec("t2", 1, 1.0),
 ]
 
-
-@pytest.fixture(scope="module")
-def dense_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
-    return make_run(tmp_path_factory.mktemp("dense") / "run", tiny_model, SPECS, logprob_noise=0.3)
-
-
-@pytest.fixture(scope="module")
-def moe_run(tiny_moe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
-    return make_run(tmp_path_factory.mktemp("moe") / "run", tiny_moe_model, SPECS, logprob_noise=0.3)
+dense_run = run_fixture(SPECS, logprob_noise=0.3)
+moe_run = run_fixture(SPECS, model="tiny_moe_model", logprob_noise=0.3)
 
 
 def _trainer(run: RunDir, model: Path, out: Path, **options: Any) -> tuple[Any, list[int]]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from legorl import shards
@@ -72,6 +74,20 @@ def sample_segment(
     routing = np.concatenate([*rows, np.full((1, *shape), -1, dtype=np.int16)], axis=0)
     assert routing.shape[0] == len(ids)
     return ids, mask, logps, routing
+
+
+def run_fixture(specs: Sequence[TrialSpec], model: str = "tiny_model", logprob_noise: float = 0.0) -> Any:
+    """A module-scoped fixture: :func:`make_run` of ``specs`` in a temp folder, sampled from the
+    model whose folder the fixture named ``model`` gives. Bind it to a module attribute: that is
+    its name."""
+
+    @pytest.fixture(scope="module")
+    def sampled_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
+        model_dir: Path = request.getfixturevalue(model)
+        folder = tmp_path_factory.mktemp(request.fixturename.removesuffix("_run"))
+        return make_run(folder / "run", model_dir, specs, logprob_noise=logprob_noise)
+
+    return sampled_run
 
 
 def make_run(
