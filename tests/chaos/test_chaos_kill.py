@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import random
 import shutil
 import subprocess
 import threading
@@ -62,36 +63,68 @@ def _tally(fig: object, expected: set[str], keys: list[str]) -> None:
     fig.duplicates += len(keys) - len(set(keys))  # type: ignore[attr-defined]
 
 
+def _tallied(fig: object, expected: set[str], folder: Path, kind: Kind) -> list[str]:
+    """The keys committed under ``folder`` (:func:`_keys`), their lost and duplicate rows counted."""
+    keys = _keys(folder, kind)
+    _tally(fig, expected, keys)
+    return keys
+
+
+def _leaked(fig: object, *labels: str) -> list[str]:
+    """The containers left with any of the run ``labels``, counted."""
+    leaked = containers(*labels)
+    fig.containers_leaked += len(leaked)  # type: ignore[attr-defined]
+    return leaked
+
+
+def _kill_after_new_parts(fig: object, draw: random.Random, args: list[str], folder: Path, most: int,
+                          max_delay: float) -> None:
+    """Start `legorl *args` and SIGKILL it once ``folder`` holds 0 to ``most`` (drawn) more committed
+    parts than now, after a drawn delay of up to ``max_delay`` seconds."""
+    before = parts(folder)
+    target = draw.randint(0, most)
+    landed = kill_at(start(*args), has_parts(folder, before + target), draw.uniform(0.0, max_delay))
+    fig.faults_injected += landed  # type: ignore[attr-defined]
+    fig.resumes += landed  # type: ignore[attr-defined]
+
+
+def _assert_each_once(keys: list[str], expected: set[str]) -> None:
+    assert set(keys) == expected and len(keys) == len(expected), sorted(keys)
+
+
+def _seeded_run(tmp_path: Path, stage: str, chaos_seed: int, tasks: int) -> tuple[random.Random, Path, list[str]]:
+    """A stage test's kill points, and its run directory holding the first ``tasks`` tasks."""
+    run = _run_dir(tmp_path, stage)
+    return rng(stage, chaos_seed), run, import_tasks(run, tasks)
+
+
+def _harness_args(stage: str, run: Path, model: Path, *options: str) -> list[str]:
+    """`legorl STAGE` on ``run`` with the simple harness: two turns, a minute a trial, JSON out."""
+    return [stage, "--run", str(run), "--model", str(model), "--harness", "simple", *options,
+            "--max-turns", "2", "--timeout", "60", "--json"]
+
+
 # --------------------------------------------------------------------------- rollout
 
 
 @pytest.mark.podman
 def test_rollout_sigkill_then_rerun(tiny_model: Path, base_image: str, tmp_path: Path, chaos_seed: int,
                                     figures: Figures) -> None:
-    draw = rng("rollout", chaos_seed)
-    run = _run_dir(tmp_path, "rollout")
-    tasks = import_tasks(run, 3)
-    args = ["rollout", "--run", str(run), "--model", str(tiny_model), "--harness", "simple", "--samples", "2",
-            "--limit", "3", "--concurrency", "2", "--max-turns", "2", "--timeout", "60", "--json"]
+    draw, run, tasks = _seeded_run(tmp_path, "rollout", chaos_seed, tasks=3)
+    args = _harness_args("rollout", run, tiny_model, "--samples", "2", "--limit", "3", "--concurrency", "2")
     expected = {trial_key(t, "simple", 0, k) for t in tasks for k in range(2)}
     with figures.stage("rollout", chaos_seed) as fig:
         fig.rows_expected += len(expected)
         committed: set[str] = set()
         for _ in range(KILLS):
-            before = parts(run / "rollouts")
-            target = draw.randint(0, 2)
-            landed = kill_at(start(*args), has_parts(run / "rollouts", before + target), draw.uniform(0.0, 2.5))
-            fig.faults_injected += landed
-            fig.resumes += landed
+            _kill_after_new_parts(fig, draw, args, run / "rollouts", most=2, max_delay=2.5)
             now = set(_keys(run / "rollouts", Kind.ROLLOUTS))
             assert committed <= now, "a committed row disappeared after a kill"
             committed = now
         result = json.loads(legorl(*args).stdout)
-        keys = _keys(run / "rollouts", Kind.ROLLOUTS)
-        _tally(fig, expected, keys)
-        leaked = containers(run.name)
-        fig.containers_leaked += len(leaked)
-    assert set(keys) == expected and len(keys) == len(expected), sorted(keys)
+        keys = _tallied(fig, expected, run / "rollouts", Kind.ROLLOUTS)
+        leaked = _leaked(fig, run.name)
+    _assert_each_once(keys, expected)
     assert result["skipped"] == len(committed) and result["ran"] == len(expected) - len(committed)
     assert_clean(inspect(run))
     assert leaked == []
@@ -103,25 +136,17 @@ def test_rollout_sigkill_then_rerun(tiny_model: Path, base_image: str, tmp_path:
 
 @pytest.mark.podman
 def test_grade_sigkill_then_rerun(base_image: str, tmp_path: Path, chaos_seed: int, figures: Figures) -> None:
-    draw = rng("grade", chaos_seed)
-    run = _run_dir(tmp_path, "grade")
-    tasks = import_tasks(run, 6)
+    draw, run, tasks = _seeded_run(tmp_path, "grade", chaos_seed, tasks=6)
     args = ["grade", "--run", str(run), "--gold", "--concurrency", "1", "--json"]
     expected = {trial_key(t, "gold", 0, 0) for t in tasks}
     with figures.stage("grade", chaos_seed) as fig:
         fig.rows_expected += len(expected)
         for _ in range(KILLS):
-            before = parts(run / "grades")
-            target = draw.randint(0, 3)
-            landed = kill_at(start(*args), has_parts(run / "grades", before + target), draw.uniform(0.0, 1.0))
-            fig.faults_injected += landed
-            fig.resumes += landed
+            _kill_after_new_parts(fig, draw, args, run / "grades", most=3, max_delay=1.0)
         legorl(*args)
-        keys = _keys(run / "grades", Kind.GRADES)
-        _tally(fig, expected, keys)
-        leaked = containers(str(run), run.name)
-        fig.containers_leaked += len(leaked)
-    assert set(keys) == expected and len(keys) == len(expected), sorted(keys)
+        keys = _tallied(fig, expected, run / "grades", Kind.GRADES)
+        leaked = _leaked(fig, str(run), run.name)
+    _assert_each_once(keys, expected)
     grades = shards.read_rows(run / "grades", Kind.GRADES)
     assert {g.trial_id: g.reward for g in grades} == dict.fromkeys(expected, 1.0), [
         (g.trial_id, g.status, g.error) for g in grades]
@@ -237,11 +262,8 @@ def _saved_update_reaches(partial: Path, update: int) -> bool:
 @pytest.mark.podman
 def test_loop_sigkill_then_rerun(tiny_model: Path, base_image: str, tmp_path: Path, chaos_seed: int,
                                  figures: Figures) -> None:
-    draw = rng("loop", chaos_seed)
-    run = _run_dir(tmp_path, "loop")
-    tasks = import_tasks(run, 2)
-    args = ["loop", "--run", str(run), "--model", str(tiny_model), "--harness", "simple", "--steps", "2",
-            "--samples", "2", "--limit", "2", "--max-turns", "2", "--timeout", "60", "--json"]
+    draw, run, tasks = _seeded_run(tmp_path, "loop", chaos_seed, tasks=2)
+    args = _harness_args("loop", run, tiny_model, "--steps", "2", "--samples", "2", "--limit", "2")
     expected = {trial_key(t, "simple", s, k) for t in tasks for s in range(2) for k in range(2)}
     checkpoints = run / "train" / "checkpoints"
     with figures.stage("loop", chaos_seed) as fig:
@@ -253,14 +275,11 @@ def test_loop_sigkill_then_rerun(tiny_model: Path, base_image: str, tmp_path: Pa
             fig.faults_injected += landed
             fig.resumes += landed
         legorl(*args)
-        keys = _keys(run / "rollouts", Kind.ROLLOUTS)
-        graded = _keys(run / "grades", Kind.GRADES)
-        _tally(fig, expected, keys)
-        _tally(fig, expected, graded)
-        leaked = containers(run.name)
-        fig.containers_leaked += len(leaked)
-    assert set(keys) == expected and len(keys) == len(expected), sorted(keys)
-    assert set(graded) == expected and len(graded) == len(expected), sorted(graded)
+        keys = _tallied(fig, expected, run / "rollouts", Kind.ROLLOUTS)
+        graded = _tallied(fig, expected, run / "grades", Kind.GRADES)
+        leaked = _leaked(fig, run.name)
+    _assert_each_once(keys, expected)
+    _assert_each_once(graded, expected)
     assert (checkpoints / "latest").read_text().strip() == "step-1"
     assert all((checkpoints / f"step-{s}" / "config.json").exists() for s in range(2))
     assert not list(checkpoints.glob("*.partial")) and not list(checkpoints.glob(".*tmp"))
