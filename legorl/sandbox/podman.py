@@ -26,94 +26,30 @@ the process group.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
 import os
-import re
-import signal
 import subprocess
 import tarfile
 import threading
 import time
 import uuid
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Any, Literal
+from types import TracebackType
+from typing import Literal
 
-from legorl.errors import LegorlError
+from legorl.sandbox import live
 from legorl.sandbox.base import MAX_PATCH_BYTES, ExecResult, SandboxSpec
+from legorl.sandbox.errors import SandboxError
 from legorl.sandbox.host import podman_env, podman_path, require_image, run_podman
-from legorl.sandbox.reaper import owner_labels
+from legorl.sandbox.live import live_sandboxes as live_sandboxes
+from legorl.sandbox.podman_run import container_name, run_args
 from legorl.sandbox.service import Service, get_service
 
 KILL_GRACE_S = 2.0  # TERM → KILL inside the container
 HOST_GRACE_S = 10.0  # how much longer the host waits before killing the group itself
 _TOKEN = "LEGORL_EXEC"
 PATCH_TIMEOUT_S = 600.0
-
-
-class SandboxError(LegorlError):
-    """A container could not be created, reached or read."""
-
-
-# --------------------------------------------------------------------------- cleanup on exit
-
-_live: dict[str, PodmanSandbox] = {}
-_live_lock = threading.Lock()
-_handlers_installed = False
-
-
-def _remove_all() -> None:
-    with _live_lock:
-        boxes = list(_live.values())
-    if boxes:
-        subprocess.run(
-            [podman_path(), "rm", "-f", "-i", "-t", "0", *[b.name for b in boxes]],
-            capture_output=True, env=podman_env(), timeout=120,
-        )
-        with _live_lock:
-            for box in boxes:
-                _live.pop(box.name, None)
-                box._removed = True
-
-
-def _install_handlers() -> None:
-    """atexit + SIGTERM/SIGHUP: remove this process's containers. SIGKILL is the reaper's job."""
-    global _handlers_installed
-    if _handlers_installed:
-        return
-    _handlers_installed = True
-    atexit.register(_remove_all)
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread; atexit still covers us
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        previous = signal.getsignal(sig)
-
-        def handler(signum: int, frame: FrameType | None, previous: Any = previous) -> None:
-            _remove_all()
-            if callable(previous):
-                previous(signum, frame)
-            elif previous == signal.SIG_IGN:
-                return
-            else:  # default action: die of the same signal, as if we had never caught it
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-
-        signal.signal(sig, handler)
-
-
-# --------------------------------------------------------------------------- the backend
-
-
-def _label_key(key: str) -> str:
-    return key if key.startswith("legorl") else f"legorl.{key}"
-
-
-def _container_name(labels: dict[str, str]) -> str:
-    hint = "-".join(v for k in ("run", "trial") if (v := labels.get(k) or labels.get(f"legorl.{k}")))
-    hint = re.sub(r"[^a-zA-Z0-9_.-]+", "-", hint).strip("-.")[:60]
-    return f"legorl-{hint + '-' if hint else ''}{uuid.uuid4().hex[:8]}"
 
 
 class PodmanBackend:
@@ -128,46 +64,13 @@ class PodmanBackend:
 
     def run_args(self, spec: SandboxSpec, name: str, command: list[str] | None = None, *,
                  detach: bool = True) -> list[str]:
-        """The ``podman run`` arguments for a spec (public so harnesses can reuse the policy).
+        """The ``podman run`` arguments for a spec (public so harnesses can reuse the policy;
+        :func:`legorl.sandbox.podman_run.run_args`).
 
         ``detach=False`` (with a ``command``) is the one-shot form :meth:`run_once` uses:
         ``--rm -i``, stdin attached, the container removed by podman when its command exits.
         """
-        labels = {**owner_labels(spec.deadline_s), **{_label_key(k): v for k, v in spec.labels.items()}}
-        args = ["run", "-d" if detach else "--rm", "--name", name, "--hostname", "sandbox"]
-        if not detach:
-            args.append("-i")
-        if spec.init:
-            args.append("--init")
-        if spec.network:
-            raise SandboxError("sandboxes have no network: a trial reaches its proxy through its session's "
-                               "unix socket (legorl.harnesses.channel)")
-        args += ["--network", "none"]
-        args += ["--memory", spec.memory, "--memory-swap", spec.memory, "--pids-limit", str(spec.pids_limit),
-                 # no device nodes and no file capabilities, even inside: nothing needs them, and what the
-                 # container writes into a host folder must never become a way to root on the host
-                 "--cap-drop", "MKNOD", "--cap-drop", "SETFCAP"]
-        if spec.cpus is not None:
-            args += ["--cpus", f"{spec.cpus:g}"]
-        for key, value in labels.items():
-            args += ["--label", f"{key}={value}"]
-        if spec.read_only:
-            args.append("--read-only")
-        for ctr, options in spec.tmpfs:
-            args += ["--tmpfs", f"{ctr}:rw,exec,{options}" if options else f"{ctr}:rw,exec"]
-        for host, ctr, read_only in spec.mounts:
-            if not Path(host).exists():
-                raise SandboxError(f"mount source {host} does not exist")
-            # nodev,nosuid: what the container plants in a host folder is never a device or a setuid file
-            args += ["-v", f"{os.path.abspath(host)}:{ctr}:{'ro' if read_only else 'rw'},nodev,nosuid"]
-        for key, value in spec.env.items():
-            args += ["-e", f"{key}={value}"]
-        command = list(spec.command if command is None else command)
-        if spec.workdir:
-            # runc does not create a missing -w directory (the container never starts), so the
-            # container makes it; execs then default to it.
-            command = ["sh", "-c", 'mkdir -p "$0" && exec "$@"', spec.workdir, *command]
-        return [*args, spec.image, *command]
+        return run_args(spec, name, command, detach=detach)
 
     def _check_image(self, image: str) -> None:
         with self._lock:
@@ -178,12 +81,11 @@ class PodmanBackend:
     def create(self, spec: SandboxSpec) -> PodmanSandbox:
         """Start a fresh container for ``spec``; it is removed on exit, SIGTERM, or by the reaper."""
         self._check_image(spec.image)
-        _install_handlers()
-        name = _container_name(spec.labels)
+        live.install_handlers()
+        name = container_name(spec.labels)
         args = self.run_args(spec, name)
         box = PodmanSandbox(name, spec, get_service() if self.api == "auto" else None)
-        with _live_lock:
-            _live[name] = box  # registered before it exists, so a signal mid-create still removes it
+        live.register(box)  # before it exists, so a signal mid-create still removes it
         proc = run_podman(args, check=False, timeout=300)
         if proc.returncode != 0:
             box.remove()
@@ -204,11 +106,10 @@ class PodmanBackend:
         and deadline labels) when it is SIGKILLed.
         """
         self._check_image(spec.image)
-        _install_handlers()
-        name = _container_name(spec.labels)
+        live.install_handlers()
+        name = container_name(spec.labels)
         box = PodmanSandbox(name, spec, None)
-        with _live_lock:
-            _live[name] = box  # a signal before podman's own --rm removes it goes through _remove_all
+        live.register(box)  # a signal before podman's own --rm removes it goes through live.remove_all
         command = ["sh", "-c", 'exec 2>&1; exec "$@"', "sh", *argv]
         start = time.monotonic()
         clean = False
@@ -223,8 +124,7 @@ class PodmanBackend:
         finally:
             if clean:
                 box._removed = True
-                with _live_lock:
-                    _live.pop(name, None)
+                live.forget(name)
             else:
                 box.remove()
         return ExecResult(proc.returncode, (proc.stdout + proc.stderr).decode(errors="replace"), False,
@@ -439,13 +339,5 @@ class PodmanSandbox:
             return
         run_podman(["rm", "-f", "-i", "-t", "0", self.name], check=False, timeout=120)
         self._removed = True
-        with _live_lock:
-            _live.pop(self.name, None)
-
-
-def live_sandboxes() -> list[str]:
-    """Names of the containers this process created and has not removed yet."""
-    with _live_lock:
-        return list(_live)
-
+        live.forget(self.name)
 

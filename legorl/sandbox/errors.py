@@ -1,0 +1,9 @@
+"""The sandbox's own error."""
+
+from __future__ import annotations
+
+from legorl.errors import LegorlError
+
+
+class SandboxError(LegorlError):
+    """A container could not be created, reached or read."""

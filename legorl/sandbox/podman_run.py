@@ -1,0 +1,68 @@
+"""The ``podman run`` arguments for a sandbox spec: the container policy (no network, memory and
+pid limits, dropped capabilities, ``nodev,nosuid`` mounts, owner and deadline labels) in one place,
+for :class:`~legorl.sandbox.podman.PodmanBackend` and for harnesses that reuse it."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+
+from legorl.sandbox.base import SandboxSpec
+from legorl.sandbox.errors import SandboxError
+from legorl.sandbox.reaper import owner_labels
+
+
+def _label_key(key: str) -> str:
+    return key if key.startswith("legorl") else f"legorl.{key}"
+
+
+def container_name(labels: dict[str, str]) -> str:
+    hint = "-".join(v for k in ("run", "trial") if (v := labels.get(k) or labels.get(f"legorl.{k}")))
+    hint = re.sub(r"[^a-zA-Z0-9_.-]+", "-", hint).strip("-.")[:60]
+    return f"legorl-{hint + '-' if hint else ''}{uuid.uuid4().hex[:8]}"
+
+
+def run_args(spec: SandboxSpec, name: str, command: list[str] | None = None, *, detach: bool = True) -> list[str]:
+    """The ``podman run`` arguments for a spec.
+
+    ``detach=False`` (with a ``command``) is the one-shot form
+    :meth:`~legorl.sandbox.podman.PodmanBackend.run_once` uses: ``--rm -i``, stdin attached, the
+    container removed by podman when its command exits.
+    """
+    labels = {**owner_labels(spec.deadline_s), **{_label_key(k): v for k, v in spec.labels.items()}}
+    args = ["run", "-d" if detach else "--rm", "--name", name, "--hostname", "sandbox"]
+    if not detach:
+        args.append("-i")
+    if spec.init:
+        args.append("--init")
+    if spec.network:
+        raise SandboxError("sandboxes have no network: a trial reaches its proxy through its session's "
+                           "unix socket (legorl.harnesses.channel)")
+    args += ["--network", "none"]
+    args += ["--memory", spec.memory, "--memory-swap", spec.memory, "--pids-limit", str(spec.pids_limit),
+             # no device nodes and no file capabilities, even inside: nothing needs them, and what the
+             # container writes into a host folder must never become a way to root on the host
+             "--cap-drop", "MKNOD", "--cap-drop", "SETFCAP"]
+    if spec.cpus is not None:
+        args += ["--cpus", f"{spec.cpus:g}"]
+    for key, value in labels.items():
+        args += ["--label", f"{key}={value}"]
+    if spec.read_only:
+        args.append("--read-only")
+    for ctr, options in spec.tmpfs:
+        args += ["--tmpfs", f"{ctr}:rw,exec,{options}" if options else f"{ctr}:rw,exec"]
+    for host, ctr, read_only in spec.mounts:
+        if not Path(host).exists():
+            raise SandboxError(f"mount source {host} does not exist")
+        # nodev,nosuid: what the container plants in a host folder is never a device or a setuid file
+        args += ["-v", f"{os.path.abspath(host)}:{ctr}:{'ro' if read_only else 'rw'},nodev,nosuid"]
+    for key, value in spec.env.items():
+        args += ["-e", f"{key}={value}"]
+    command = list(spec.command if command is None else command)
+    if spec.workdir:
+        # runc does not create a missing -w directory (the container never starts), so the
+        # container makes it; execs then default to it.
+        command = ["sh", "-c", 'mkdir -p "$0" && exec "$@"', spec.workdir, *command]
+    return [*args, spec.image, *command]
