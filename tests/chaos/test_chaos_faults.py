@@ -392,7 +392,7 @@ def test_plugin_blocked_on_a_held_pipe_times_out(pipe_held_open: Hang) -> None:
 @pytest.mark.podman
 @pytest.mark.xfail(strict=True, reason=(
     "a Python plug-in harness runs in the rollout process: the children it starts carry no per-trial mark "
-    "(legorl/harnesses/base.py kill_marked covers host-run harness processes only), so its blocked helper's "
+    "(legorl/harnesses/processes.py kill_marked covers host-run harness processes only), so its blocked helper's "
     "child outlives the trial"))
 def test_plugin_blocked_on_a_held_pipe_leaves_no_host_process(pipe_held_open: Hang) -> None:
     assert pipe_held_open.survivors == []
