@@ -25,7 +25,6 @@ from legorl.proxy.core import CallResult, ChatRequest
 from legorl.proxy.openai_api import dumps
 from legorl.proxy.request_parts import (
     function_tool,
-    indexed_objects,
     messages_array,
     temperature_and_top_p,
     tool_specs,
@@ -82,7 +81,9 @@ def _typed_blocks(content: Any, where: str) -> Iterator[tuple[str, str, dict[str
     """``(where[i], type, block)`` for each block of a turn's array of content blocks."""
     if not isinstance(content, list):
         raise BadRequest(f"{where}: expected a string or an array of blocks", where)
-    for w, b in indexed_objects(content, where):
+    for i, block in enumerate(content):
+        w = f"{where}[{i}]"
+        b = obj(block, w)
         kind = b.get("type")
         if not isinstance(kind, str):
             raise BadRequest(f"{w}.type: required string", f"{w}.type")
@@ -157,7 +158,9 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, Anthropic
         text = _text_of(system, "system")
         if text or isinstance(system, str):
             messages.append({"role": "system", "content": text})
-    for w, m in indexed_objects(raw, "messages"):
+    for i, m in enumerate(raw):
+        w = f"messages[{i}]"
+        m = obj(m, w)
         role = m.get("role")
         if role == "user":
             messages.extend(_user_turn(m.get("content"), f"{w}.content"))

@@ -20,7 +20,6 @@ from legorl.proxy.core import CallResult, ChatRequest
 from legorl.proxy.render import ChatRenderer
 from legorl.proxy.request_parts import (
     function_tool,
-    indexed_objects,
     messages_array,
     temperature_and_top_p,
     tool_specs,
@@ -90,7 +89,9 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise BadRequest(f"{where}: expected an array", where)
     out = []
-    for w, tc in indexed_objects(value, where):
+    for i, tc in enumerate(value):
+        w = f"{where}[{i}]"
+        tc = obj(tc, w)
         fn = obj(tc.get("function"), f"{w}.function")
         name = req_str(fn, "name", f"{w}.function.")
         args = fn.get("arguments", "{}")
@@ -109,7 +110,9 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 def canonical_messages(value: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for w, m in indexed_objects(messages_array(value), "messages"):
+    for i, m in enumerate(messages_array(value)):
+        w = f"messages[{i}]"
+        m = obj(m, w)
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
             raise BadRequest(f"{w}.role: must be one of {', '.join(_ROLES)}", f"{w}.role")

@@ -1,5 +1,8 @@
-"""The pieces of a request the OpenAI and Anthropic front ends read alike: arrays of objects named
-by index in errors, the ``messages`` array, function tools, and the sampling parameters."""
+"""The pieces of a request the OpenAI and Anthropic front ends read alike: the ``messages`` array,
+function tools, and the sampling parameters.
+
+The loops over messages stay inline in each front end: a generator yielding each message cost a
+few microseconds a request, on the proxy's hot path."""
 
 from __future__ import annotations
 
@@ -7,13 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from legorl.proxy.validate import BadRequest, json_schema, obj, opt_num, opt_str, req_str
-
-
-def indexed_objects(items: list[Any], where: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where[i], item)`` for each item of ``items``, each one required to be an object."""
-    for i, item in enumerate(items):
-        w = f"{where}[{i}]"
-        yield w, obj(item, w)
 
 
 def messages_array(value: Any) -> list[Any]:
@@ -28,10 +24,12 @@ def messages_array(value: Any) -> list[Any]:
 def tool_specs(value: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(tools[i], tool)`` for each tool of the request's ``tools`` (none when it is null)."""
     if value is None:
-        return iter(())
+        return
     if not isinstance(value, list):
         raise BadRequest("tools: expected an array", "tools")
-    return indexed_objects(value, "tools")
+    for i, tool in enumerate(value):
+        w = f"tools[{i}]"
+        yield w, obj(tool, w)
 
 
 def function_tool(spec: dict[str, Any], schema_key: str, where: str) -> dict[str, Any]:
