@@ -8,9 +8,7 @@ grades nothing twice.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import statistics
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -21,10 +19,10 @@ from typing import Any
 from legorl import shards
 from legorl.errors import LegorlError
 from legorl.grading.grader import GradeOptions, Grader
+from legorl.jsonfiles import LONE_SURROGATE, json_lines, loads, read_utf8
 from legorl.schemas import GradeRow, GradeStatus, Kind, TaskRow, trial_key
 
 GOLD_HARNESS = "gold"
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -69,14 +67,12 @@ def prediction_jobs(path: Path, tasks: dict[str, TaskRow]) -> list[Job]:
     """SWE-bench predictions: a JSON list / JSONL of ``{instance_id, model_patch[, model_name_or_path]}``
     (a JSON object keyed by instance id works too)."""
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = read_utf8(path)
     except OSError as exc:
         raise LegorlError(f"{path}: cannot read predictions ({exc.strerror})") from exc
-    except UnicodeDecodeError as exc:
-        raise LegorlError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     try:
         items: Any
-        data = _loads(text)
+        data = loads(text)
         # one object: a single prediction (a one-line JSONL file), or predictions keyed by instance id
         items = [data] if isinstance(data, dict) and "instance_id" in data else (
             list(data.values()) if isinstance(data, dict) else data)
@@ -84,15 +80,7 @@ def prediction_jobs(path: Path, tasks: dict[str, TaskRow]) -> list[Job]:
             raise LegorlError(f"{path}: expected predictions (a JSON list, object or JSON lines), "
                               f"got a JSON {type(items).__name__}")
     except ValueError:
-        items = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                items.append(_loads(line))
-            except ValueError as exc:
-                message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc).splitlines()[0]
-                raise LegorlError(f"{path}: neither JSON nor JSON lines (line {number}: {message})") from None
+        items = json_lines(path, text, "neither JSON nor JSON lines (line {line}: {message})")
     jobs: dict[str, Job] = {}
     for index, item in enumerate(items):
         if not isinstance(item, dict) or not isinstance(item.get("instance_id"), str):
@@ -107,7 +95,7 @@ def prediction_jobs(path: Path, tasks: dict[str, TaskRow]) -> list[Job]:
         if name is not None and not isinstance(name, str):
             raise LegorlError(f"{path}: prediction {index} ({iid}): field 'model_name_or_path': not a string")
         for field_name, value in (("model_patch", patch), ("model_name_or_path", name)):
-            if value and _LONE_SURROGATE.search(value):  # JSON can spell one (\ud800); no shard holds one
+            if value and LONE_SURROGATE.search(value):  # JSON can spell one (\ud800); no shard holds one
                 raise LegorlError(f"{path}: prediction {index} ({iid}): field '{field_name}': "
                                   "holds a lone UTF-16 surrogate (not valid Unicode)")
         harness = name or "predictions"
@@ -116,15 +104,6 @@ def prediction_jobs(path: Path, tasks: dict[str, TaskRow]) -> list[Job]:
             raise LegorlError(f"{path}: prediction {index} ({iid}): a second prediction for this instance")
         jobs[key] = Job(key, iid, patch, harness, 0)
     return list(jobs.values())
-
-
-def _loads(text: str) -> Any:
-    """``json.loads``, its other failures (nesting past the recursion limit, integers over Python's
-    digit limit) raised as the ValueError a JSONDecodeError also is."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
 
 
 def rollout_jobs(rollouts_dir: Path) -> tuple[list[Job], int]:

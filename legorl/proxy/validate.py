@@ -11,6 +11,8 @@ import math
 import re
 from typing import Any
 
+from legorl.jsonfiles import LONE_SURROGATE
+
 # Integers the engines take as 64-bit (seeds, top_k): anything wider is the client's error, never
 # an engine failure (which would mark the session's trial as infrastructure).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -124,11 +126,10 @@ def json_schema(value: Any, where: str) -> dict[str, Any]:
 
 #: A JSON text holding this may spell a lone surrogate (then run :func:`without_lone_surrogates`).
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _fix(text: str) -> str:
-    return _LONE_SURROGATE.sub("\ufffd", text) if _LONE_SURROGATE.search(text) else text
+    return LONE_SURROGATE.sub("\ufffd", text) if LONE_SURROGATE.search(text) else text
 
 
 def without_lone_surrogates(root: Any) -> Any:
@@ -143,7 +144,7 @@ def without_lone_surrogates(root: Any) -> Any:
         if isinstance(node, list):
             items: Any = enumerate(node)
         else:
-            if any(_LONE_SURROGATE.search(k) for k in node):
+            if any(LONE_SURROGATE.search(k) for k in node):
                 pairs = list(node.items())
                 node.clear()
                 node.update((_fix(k), v) for k, v in pairs)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import re
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from legorl import shards
 from legorl.errors import LegorlError
 from legorl.grading.logparse import PARSERS
 from legorl.grading.patches import split_patch
+from legorl.jsonfiles import LONE_SURROGATE, json_lines, loads, read_utf8
 from legorl.schemas import Kind, TaskRow
 
 STRING_FIELDS = (
@@ -43,7 +43,6 @@ STRING_FIELDS = (
 )
 ALIASES = {"image_name": "image"}  # SWE-smith names its image column differently
 LOCAL_SUFFIXES = (".parquet", ".jsonl", ".json")
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class TaskImportError(LegorlError):
@@ -59,23 +58,11 @@ class TaskImportError(LegorlError):
 # --------------------------------------------------------------------------- reading sources
 
 
-def _loads(text: str) -> Any:
-    """``json.loads``, with what it raises besides JSONDecodeError (nesting past the recursion
-    limit, integers over Python's digit limit) made one: ``ValueError``."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-
-
 def _read_json(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise LegorlError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    text = read_utf8(path)
     if path.suffix == ".json":
         try:
-            data = _loads(text)
+            data = loads(text)
         except ValueError:
             data = None  # maybe JSON lines under a .json name, as `datasets` also accepts
         if isinstance(data, list):
@@ -85,16 +72,7 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
                 if isinstance(data.get(key), list):
                     return data[key]
             return [data]
-    rows: list[dict[str, Any]] = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(_loads(line))
-        except ValueError as exc:
-            message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc).splitlines()[0]
-            raise LegorlError(f"{path}: line {number}: not valid JSON ({message})") from None
-    return rows
+    return json_lines(path, text, "line {line}: not valid JSON ({message})")
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -209,7 +187,7 @@ def normalize(raw: Mapping[str, Any], index: int, base_dir: Path, source: object
     def err(name: str | None, message: str) -> TaskImportError:
         return TaskImportError(source, index, name, message, iid)
 
-    if _LONE_SURROGATE.search(iid):
+    if LONE_SURROGATE.search(iid):
         raise TaskImportError(source, index, "instance_id", "holds a lone UTF-16 surrogate (not valid Unicode)")
     values: dict[str, Any] = {"instance_id": iid}
     for name in STRING_FIELDS:
@@ -223,7 +201,7 @@ def normalize(raw: Mapping[str, Any], index: int, base_dir: Path, source: object
             raise err(name, tests)
         values[name] = tests
     for name, value in values.items():  # JSON's \ud800 escapes can spell them; no shard can hold one
-        if any(_LONE_SURROGATE.search(v) for v in (value if isinstance(value, list) else [value]) if v):
+        if any(LONE_SURROGATE.search(v) for v in (value if isinstance(value, list) else [value]) if v):
             raise err(name, "holds a lone UTF-16 surrogate (not valid Unicode)")
     if not values["FAIL_TO_PASS"]:
         raise err("FAIL_TO_PASS", "empty: a task needs at least one test that the fix makes pass")
