@@ -36,7 +36,7 @@ test-deps: setup
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 demo: setup
-	$(MAKE) -C examples/cpu-demo RUN=$(abspath $(RUN))
+	$(MAKE) -C examples/cpu-demo demo RUN=$(abspath $(RUN))
 
 test: test-deps
 	$(VENV)/bin/nox -s tests

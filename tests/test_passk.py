@@ -81,3 +81,25 @@ def test_default_ks() -> None:
     assert default_ks([Problem("a", "h", "r", n=10)]) == [1, 2, 4, 8, 10]
     assert default_ks([Problem("a", "h", "r", n=1)]) == [1]
     assert default_ks([]) == [1]
+
+
+def test_wilson_interval_matches_the_textbook_values() -> None:
+    from legorl.monitor.passk import wilson_interval
+
+    low, high = wilson_interval(6, 24) or (0.0, 0.0)  # 0.25 of 24: the demo's held-out size
+    assert (round(low, 3), round(high, 3)) == (0.12, 0.449)
+    assert wilson_interval(0, 10) == (0.0, pytest.approx(0.2775, abs=1e-4))
+    assert wilson_interval(10, 10) == (pytest.approx(0.7225, abs=1e-4), 1.0)
+    assert wilson_interval(0, 0) is None
+    with pytest.raises(ValueError, match="3 successes out of 2"):
+        wilson_interval(3, 2)
+
+
+def test_report_rows_carry_the_pass_at_1_interval() -> None:
+    from legorl.monitor.passk import Problem, summarize
+
+    row = summarize([Problem("t1", "h", "r", n=1, c=1), Problem("t2", "h", "r", n=1, c=0)], [1]).to_dict()
+    assert row["pass_at"]["1"] == 0.5
+    low, high = row["pass_at_1_interval"]
+    assert low < 0.5 < high and low >= 0.0 and high <= 1.0
+    assert summarize([], [1]).to_dict()["pass_at_1_interval"] is None

@@ -1,33 +1,49 @@
-"""The CPU learning demo: N steps of rollout → grade → train → reload through legorl's real stages,
-then a reward-over-steps report (``report.md``, ``report.json``, ``reward.png`` in the run directory).
+"""The CPU learning demo (``make demo``): warm-up → held-out eval → online loop through the real
+stages → held-out eval, then ``RUN/summary.json``, ``reward.png``, ``report.md``, the static
+dashboard and a summary table.
 
-    python examples/cpu-demo/learn.py --run runs/demo-s0 --seed 0 --steps 10
+    python examples/cpu-demo/learn.py --run runs/demo --seed 0
 
-Every option of :class:`demo_loop.DemoConfig` is a flag (``--warmup-steps``, ``--lr``, ...).
+Every field of :class:`demo_loop.DemoConfig` is a flag (``--steps``, ``--lr``, ``--harness``, ...).
 Rerunning with the same ``--run`` resumes.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-from dataclasses import asdict
+import sys
+from dataclasses import fields
 from pathlib import Path
 
-from demo_loop import DemoConfig, log, run_loop
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from demo_loop import DemoConfig, log, run_demo, summary_table
+
+
+def parse(argv: list[str] | None = None) -> DemoConfig:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", type=Path, required=True)
+    defaults = DemoConfig(run=Path("."))
+    for f in fields(DemoConfig):
+        if f.name == "run":
+            continue
+        value = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            ap.add_argument(flag, type=type(value) if value is not None else Path, default=value)
+    return DemoConfig(**vars(ap.parse_args(argv)))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", type=Path, required=True)
-    for name, value in asdict(DemoConfig(run=Path("."))).items():
-        if name != "run":
-            ap.add_argument("--" + name.replace("_", "-"), type=type(value) if value is not None else Path,
-                            default=value)
-    cfg = DemoConfig(**vars(ap.parse_args()))
-    t0 = time.perf_counter()
-    records = run_loop(cfg)
-    log(f"done: {len(records)} step(s) in {(time.perf_counter() - t0) / 60:.1f} min; report: {cfg.run / 'report.md'}")
+    from legorl.cli.common import console
+
+    cfg = parse()
+    summary = run_demo(cfg)
+    console.print(summary_table(summary))
+    log(f"summary: {cfg.run / 'summary.json'}   plot: {cfg.run / 'reward.png'}   "
+        f"dashboard: {cfg.run / 'dashboard' / 'index.html'}")
 
 
 if __name__ == "__main__":

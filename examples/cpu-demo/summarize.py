@@ -1,12 +1,11 @@
-"""Aggregate the CPU learning demo over seeds: first-steps vs last-steps mean reward, the seeds'
-spread, minutes per seed, and one plot with every seed's curve.
+"""The CPU learning demo over seeds: held-out pass@1 before → after per seed, the mean gain against
+the seeds' spread, time per seed, and one plot with every seed's training-reward curve.
 
-    python examples/cpu-demo/summarize.py runs/cpu-demo/s0 runs/cpu-demo/s1 runs/cpu-demo/s2 \
-        --k 2 --out examples/cpu-demo
+    python examples/cpu-demo/summarize.py runs/demo-seeds/s0 runs/demo-seeds/s1 ... --out runs/demo-seeds
 
-Reads each run's ``report.json`` (written by ``learn.py`` after every step) and the rewards
-straight from the run's ``grades/`` shards; writes ``results.md``, ``results.json`` and
-``reward.png`` into ``--out``.
+Reads each run's ``summary.json`` (written by ``learn.py``); writes ``results.md``, ``results.json``
+and ``reward.png`` into ``--out``. The bar (issue #13): every seed gains at least +0.15 held-out
+pass@1 and the mean gain is at least 3x the seeds' standard deviation.
 """
 
 from __future__ import annotations
@@ -14,61 +13,68 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_loop import plot
 
+MIN_GAIN = 0.15
+SPREAD_FACTOR = 3.0
+
+
+def _interval(h: dict[str, Any]) -> str:
+    if h["pass_at_1"] is None or h["interval"] is None:
+        return "-"
+    return f"{h['pass_at_1']:.3f} [{h['interval'][0]:.2f}, {h['interval'][1]:.2f}]"
+
+
+def table(seeds: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
+    lines = ["| seed | held-out tasks | pass@1 before [95% CI] | pass@1 after [95% CI] | gain | trials/step "
+             "| loop min | wall min | CPU min |",
+             "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for s in seeds:
+        h = s["heldout"]
+        gain = "-" if h["gain"] is None else f"{h['gain']:+.3f}"
+        lines.append(f"| {s['seed']} | {h['before']['tasks']} | {_interval(h['before'])} | {_interval(h['after'])} "
+                     f"| {gain} | {s['trials_per_step']} | {s['loop_s'] / 60:.1f} | {s['wall_s'] / 60:.1f} "
+                     f"| {s['cpu_s'] / 60:.1f} |")
+    gains = [s["heldout"]["gain"] for s in seeds if s["heldout"]["gain"] is not None]
+    verdict: dict[str, Any] = {"seeds": len(seeds), "gains": gains}
+    if gains:
+        mean = statistics.fmean(gains)
+        std = statistics.stdev(gains) if len(gains) > 1 else 0.0
+        met = len(gains) == len(seeds) and min(gains) >= MIN_GAIN and mean >= SPREAD_FACTOR * std
+        verdict |= {"mean_gain": round(mean, 4), "std_gain": round(std, 4), "min_gain": round(min(gains), 4),
+                    "bar_met": met}
+        lines += ["", f"mean gain {mean:+.3f}, std {std:.3f}, smallest gain {min(gains):+.3f}; bar (every gain "
+                      f">= {MIN_GAIN} and mean >= {SPREAD_FACTOR:g}x std): {'met' if met else 'NOT met'}"]
+    return lines, verdict
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", type=Path, nargs="+")
-    ap.add_argument("--k", type=int, default=2, help="how many first / last steps to average")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     seeds = []
     for run in args.runs:
-        report = json.loads((run / "report.json").read_text())
-        steps = report["steps"]
-        rewards = [s["mean_reward"] for s in steps]
-        seconds = sum(s["rollout_s"] + s["grade_s"] + s["train_s"] + s["reload_s"] for s in steps)
-        seeds.append({
-            "run": str(run), "seed": report["config"]["seed"], "steps": len(steps), "rewards": rewards,
-            "trials_per_step": [s["graded"] for s in steps], "infra": sum(s["infra"] for s in steps),
-            "first": statistics.fmean(rewards[: args.k]), "last": statistics.fmean(rewards[-args.k:]),
-            "loop_minutes": seconds / 60,
-        })
-    for s in seeds:
-        s["gain"] = s["last"] - s["first"]
-    gains = [s["gain"] for s in seeds]
-    mean_gain = statistics.fmean(gains)
-    spread_gain = statistics.stdev(gains) if len(gains) > 1 else 0.0
-    firsts, lasts = [s["first"] for s in seeds], [s["last"] for s in seeds]
-    summary = {
-        "k": args.k, "seeds": seeds,
-        "mean_first": statistics.fmean(firsts), "mean_last": statistics.fmean(lasts),
-        "mean_gain": mean_gain, "gain_std": spread_gain,
-        "first_std": statistics.stdev(firsts) if len(firsts) > 1 else 0.0,
-        "last_std": statistics.stdev(lasts) if len(lasts) > 1 else 0.0,
-        "min_gain": min(gains),
-    }
-    summary["passes"] = mean_gain > spread_gain and min(gains) > 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(summary, indent=2))
-    lines = [f"| seed | steps | trials/step | first {args.k} steps | last {args.k} steps | gain | loop minutes |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for s in seeds:
-        lines.append(f"| {s['seed']} | {s['steps']} | {s['trials_per_step'][0]} | {s['first']:.3f} | {s['last']:.3f} | "
-                     f"{s['gain']:+.3f} | {s['loop_minutes']:.1f} |")
-    lines += ["", f"mean first {summary['mean_first']:.3f} (std {summary['first_std']:.3f}), "
-              f"mean last {summary['mean_last']:.3f} (std {summary['last_std']:.3f}); "
-              f"gain {mean_gain:+.3f} vs the seeds' spread of the gain (std) {spread_gain:.3f}; "
-              f"smallest gain {min(gains):+.3f}", "",
-              "| step | " + " | ".join(f"seed {s['seed']}" for s in seeds) + " |",
-              "| ---: | " + " | ".join("---:" for _ in seeds) + " |"]
-    for i in range(max(s["steps"] for s in seeds)):
+        path = run / "summary.json"
+        if not path.is_file():
+            raise SystemExit(f"{path}: missing (did `learn.py --run {run}` finish?)")
+        seeds.append(json.loads(path.read_text()))
+    lines, verdict = table(seeds)
+    rewards = ["", "Training reward by step (mean over the step's trials):", "",
+               "| step | " + " | ".join(f"seed {s['seed']}" for s in seeds) + " |",
+               "| ---: |" + " ---: |" * len(seeds)]
+    for i in range(max(len(s["rewards"]) for s in seeds)):
         cells = [f"{s['rewards'][i]:.3f}" if i < len(s["rewards"]) else "" for s in seeds]
-        lines.append(f"| {i} | " + " | ".join(cells) + " |")
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+        rewards.append(f"| {i} | " + " | ".join(cells) + " |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text("\n".join(lines + rewards) + "\n")
+    (args.out / "results.json").write_text(json.dumps({"verdict": verdict, "seeds": seeds}, indent=2) + "\n")
     plot([(f"seed {s['seed']}", s["rewards"]) for s in seeds], args.out / "reward.png")
     print("\n".join(lines))
 

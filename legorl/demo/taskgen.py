@@ -6,13 +6,15 @@ function (FAIL_TO_PASS) and the neighbour (PASS_TO_PASS), so a substitution that
 neighbour, or breaks the file, fails. Two kinds, two phrasings of the statement each:
 
 - ``flip`` (``calc.py``): "`merge` in calc.py should add, not subtract."
-  → ``sed -i 's/a - b/a + b/' calc.py``;
+  → ``sed -i 's/a [-+] b/a + b/' calc.py``;
 - ``compare`` (``checks.py``): "`fold` in checks.py should check that a is less than b."
-  → ``sed -i 's/a > b/a < b/' checks.py``.
+  → ``sed -i 's/a [<>] b/a < b/' checks.py``.
+
+The pattern is a bracket of both operators, so the command holds exactly one decision, the operator
+it writes; writing the one already there (``reversed_command``) changes nothing: empty patch, reward 0.
 
 What varies: the function and its neighbour (names, order), the direction of the bug, the
-phrasing, the test values. The same edit in the wrong direction (``reversed_command``) matches
-nothing and changes nothing: reward 0. The family is small on purpose — what a ~5 M-parameter
+phrasing, the test values. The family is small on purpose — what a ~5 M-parameter
 model can read out of a statement after a short warm-up is a word-to-operator lookup, not
 arbitrary copying (measured: names and numbers copied at chance after 200 warm-up steps).
 """
@@ -58,23 +60,32 @@ class DemoTask:
         return f"test_{self.module}.py"
 
     @property
+    def operators(self) -> str:
+        """Both operators of the kind as a sed bracket (``[-+]``, ``[<>]``): the pattern names no choice."""
+        return "[-+]" if self.kind == "flip" else "[<>]"
+
+    def edit_command(self, operator: str) -> str:
+        """The one-line edit that writes ``operator`` into the function: ``sed -i 's/a [-+] b/a + b/' calc.py``."""
+        return f"sed -i 's/a {self.operators} b/a {operator} b/' {self.filename}"
+
+    @property
     def fix_command(self) -> str:
-        """The fix as the driver's bash command (what the warm-up demonstrates)."""
-        return f"sed -i 's/a {self.wrong} b/a {self.right} b/' {self.filename}"
+        """The fix as a bash command (what the warm-up demonstrates)."""
+        return self.edit_command(self.right)
 
     @property
     def reversed_command(self) -> str:
-        """The same edit in the wrong direction: matches nothing, changes nothing."""
-        return f"sed -i 's/a {self.right} b/a {self.wrong} b/' {self.filename}"
+        """The edit that writes the operator already there: changes nothing, so the patch is empty."""
+        return self.edit_command(self.wrong)
 
 
-def make_task(rng: random.Random, index: int, kind: str) -> DemoTask:
+def make_task(rng: random.Random, index: int, kind: str, right_first: bool = True, seed: int = 0) -> DemoTask:
     if kind not in KINDS:
         raise LegorlError(f"unknown demo task kind {kind!r} (known: {', '.join(KINDS)})")
     module = _MODULES[kind]
     func, other = rng.sample(_FUNCS, 2)
     ops = ("+", "-") if kind == "flip" else ("<", ">")
-    right, wrong = rng.sample(ops, 2)
+    right, wrong = ops if right_first else ops[::-1]
     neighbour = "a * b" if kind == "flip" else "a == b"
     funcs = [f"def {func}(a, b):\n    return a {wrong} b\n", f"def {other}(a, b):\n    return {neighbour}\n"]
     rng.shuffle(funcs)
@@ -100,15 +111,20 @@ def make_task(rng: random.Random, index: int, kind: str) -> DemoTask:
              + "".join(f"    assert {func}({x}, {y}) == {value(right, x, y)}\n" for x, y in cases)
              + f"\n\ndef test_{other}():\n"
              + "".join(f"    assert {other}({x}, {y}) == {value(n_op, x, y)}\n" for x, y in cases))
-    return DemoTask(f"demo__{kind}-{index:04d}", kind, module, source, fixed, wrong, right, tests, statement)
+    # The seed is part of the id: task sets made from different seeds (training, held-out) never share one.
+    return DemoTask(f"demo__{kind}-s{seed}-{index:04d}", kind, module, source, fixed, wrong, right, tests,
+                    statement)
 
 
 def generate(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[DemoTask]:
-    """``n`` tasks, cycling through ``kinds``; the same ``(n, seed)`` always gives the same tasks."""
+    """``n`` tasks cycling through every (kind, direction) pair, so even a small set asks for each
+    operator; the same ``(n, seed)`` always gives the same tasks."""
     if n < 1:
         raise LegorlError(f"the number of demo tasks must be >= 1, got {n}")
     rng = random.Random(seed)
-    return [make_task(rng, i, kinds[i % len(kinds)]) for i in range(n)]
+    cells = [(kind, right_first) for right_first in (True, False) for kind in kinds]
+    offset = rng.randrange(len(cells))
+    return [make_task(rng, i, *cells[(i + offset) % len(cells)], seed=seed) for i in range(n)]
 
 
 # --------------------------------------------------------------------------- SWE-bench rows

@@ -11,6 +11,7 @@ better by landing its hard tasks in infrastructure failures. Attempts not yet gr
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         product *= 1.0 - k / i
     return 1.0 - product
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """The Wilson score interval (95 % for z = 1.96) of a rate of ``successes`` out of ``n`` trials."""
+    if n <= 0:
+        return None
+    if not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: {successes} successes out of {n}")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @dataclass
@@ -58,7 +71,14 @@ class PassKRow:
     pass_at: dict[int, float | None] = field(default_factory=dict)
     tasks_counted: dict[int, int] = field(default_factory=dict)  # problems with n >= k
 
+    @property
+    def pass_at_1_interval(self) -> tuple[float, float] | None:
+        """95 % Wilson interval of pass@1 over the graded attempts (exact for one attempt per task;
+        with several, attempts at one task are treated as independent, which narrows it a little)."""
+        return wilson_interval(self.resolved, self.attempts)
+
     def to_dict(self) -> dict[str, Any]:
+        interval = self.pass_at_1_interval
         return {
             "tasks": self.tasks,
             "attempts": self.attempts,
@@ -67,6 +87,7 @@ class PassKRow:
             "pending": self.pending,
             "pass_at": {str(k): _round(v) for k, v in sorted(self.pass_at.items())},
             "tasks_counted": {str(k): v for k, v in sorted(self.tasks_counted.items())},
+            "pass_at_1_interval": None if interval is None else [_round(interval[0]), _round(interval[1])],
         }
 
 
