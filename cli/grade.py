@@ -9,14 +9,16 @@ import typer
 
 from legorl.cli.common import JsonOption, OptionalRunOption, console, fail, print_json
 from legorl.cli.options import ConfigOptions, with_configs
+from legorl.executors import ExecutorOptions
 from legorl.grading.grader import GradeOptions
 
 
 def register(app: typer.Typer) -> None:
     @app.command("grade")
-    @with_configs(options=ConfigOptions(GradeOptions))
+    @with_configs(options=ConfigOptions(GradeOptions), placement=ConfigOptions(ExecutorOptions))
     def grade_command(
         options: GradeOptions,
+        placement: ExecutorOptions,
         run: OptionalRunOption = None,
         gold: Annotated[bool, typer.Option("--gold", help="Grade each task's own patch (checks the task set).")] = False,
         predictions: Annotated[Path | None, typer.Option(
@@ -55,7 +57,7 @@ def register(app: typer.Typer) -> None:
         skipped = None if json_out else (lambda n: f"{n} trial(s) already graded: skipped")
         with StageBar("grading", graded, transient=json_out, skipped=skipped) as bar:
             summary = stage.grade_stage(tasks_dir, out_dir, jobs, options, run_label=str(run) if run else None,
-                                        on_start=bar.on_start, on_done=bar.on_done)
+                                        placement=placement, on_start=bar.on_start, on_done=bar.on_done)
         result = summary.as_dict()
         result["infra_rollouts_skipped"] = infra_rollouts
         if json_out:
@@ -66,6 +68,7 @@ def register(app: typer.Typer) -> None:
             return
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(summary.by_status.items()))
         per_grade = f"{summary.mean_seconds} s per grade; " if summary.mean_seconds is not None else ""
+        lost = f"{len(summary.lost)} lost with their Ray worker (run again); " if summary.lost else ""
         console.print(
             f"graded {summary.graded} ({statuses}); resolved {summary.resolved}; mean reward {summary.mean_reward}; "
-            f"{per_grade}wall {summary.wall_s:.1f} s -> {out_dir}", highlight=False)
+            f"{per_grade}{lost}wall {summary.wall_s:.1f} s -> {out_dir}", highlight=False)

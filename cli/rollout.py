@@ -59,8 +59,9 @@ def register(app: typer.Typer) -> None:
             return
         out = ", ".join(f"{k} {v}" for k, v in sorted(result["outcomes"].items())) or "nothing new"
         t = result["mean_timings"]
+        lost = f" ({result['workers_lost']} attempt(s) lost with their Ray worker)" if result["workers_lost"] else ""
         console.print(
             f"{result['ran']} trial(s): {out}; {result['infra_failures']} infra failure(s), "
-            f"{result['retried']} retried; {result['tokens_per_s']} tok/s; engine utilisation "
+            f"{result['retried']} retried{lost}; {result['tokens_per_s']} tok/s; engine utilisation "
             f"{result['engine_utilisation']}; mean s: sandbox {t['sandbox_s']}, agent {t['agent_s']}, "
             f"model {t['model_s']} -> {run}/rollouts", highlight=False)

@@ -179,13 +179,15 @@ class TrialRunner:
         wall = max(cfg.timeout_s - 30.0, cfg.timeout_s * 0.8)
         return Budgets(max_turns=cfg.max_turns, max_wall_s=wall, max_tokens_per_call=cfg.max_tokens)
 
-    def run(self, job: TrialJob) -> TrialRow:
+    def run(self, job: TrialJob, first_attempt: int = 1) -> TrialRow:
+        """The trial's row. ``first_attempt`` > 1: the attempts before it were lost with their
+        executor worker, and count against the retries (at most ``cfg.retries + 1``)."""
         cfg = self.cfg
         started = time.time()
         key = trial_key(job.task.instance_id, job.harness, cfg.step, job.sample_index)
         attempt: Attempt | None = None
         n = 0
-        for n in range(1, cfg.retries + 2):
+        for n in range(first_attempt, max(first_attempt, cfg.retries + 1) + 1):
             attempt = self.attempt(job, key, n)
             if attempt.outcome is not Outcome.INFRA_ERROR or self.stopping.is_set():
                 break

@@ -3,21 +3,23 @@
 Resumable: trials already graded (a grade row that is not an infrastructure failure) are skipped,
 rows are committed one part file per grade as they finish, and containers a killed earlier run
 left behind are reaped first. So after a SIGKILL a rerun loses nothing that was written and
-grades nothing twice.
+grades nothing twice. ``--shard i/n`` grades only the trials whose key hashes to shard ``i``;
+``--executor ray`` grades on a Ray cluster's nodes (:mod:`legorl.executors`), where a grade lost
+with its worker runs again and, past its retries, is an infrastructure failure.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from legorl import shards
 from legorl.errors import LegorlError
+from legorl.executors import ExecutorOptions, Work
 from legorl.grading.grader import GradeOptions, Grader
 from legorl.jsonfiles import LONE_SURROGATE, json_lines, loads, read_utf8
 from legorl.schemas import GradeRow, GradeStatus, Kind, TaskRow, trial_key
@@ -45,10 +47,11 @@ class GradeSummary:
     mean_seconds: float | None = None
     wall_s: float = 0.0
     rows: list[GradeRow] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)  # "trial: error" per grade lost with its Ray worker
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "graded": self.graded, "skipped": self.skipped, "by_status": self.by_status, "resolved": self.resolved,
+            "graded": self.graded, "skipped": self.skipped, "workers_lost": len(self.lost), "lost": self.lost, "by_status": self.by_status, "resolved": self.resolved,
             "infra_errors": self.infra_errors, "mean_reward": self.mean_reward, "mean_seconds": self.mean_seconds,
             "wall_s": round(self.wall_s, 3),
             "grades": [{"trial_id": r.trial_id, "task_id": r.task_id, "status": r.status, "reward": r.reward,
@@ -121,12 +124,15 @@ def rollout_jobs(rollouts_dir: Path) -> tuple[list[Job], int]:
 
 def grade_stage(
     tasks_dir: Path, out_dir: Path, jobs: list[Job], options: GradeOptions | None = None, *,
-    run_label: str | None = None, reap: bool = True,
+    run_label: str | None = None, reap: bool = True, placement: ExecutorOptions | None = None,
     on_start: Callable[[int, int], None] | None = None, on_done: Callable[[GradeRow], None] | None = None,
 ) -> GradeSummary:
-    """Grade ``jobs`` (skipping those already graded in ``out_dir``), ``options.concurrency`` at once."""
+    """Grade ``jobs`` (skipping those already graded in ``out_dir``), ``options.concurrency`` at once;
+    ``placement``: of its shard only, on its executor (default: all, on threads here)."""
     import time
 
+    placement = placement or ExecutorOptions()
+    jobs = [j for j in jobs if placement.owns(j.trial_id)]
     tasks = {t.instance_id: t for t in shards.read_rows(tasks_dir, Kind.TASKS)}
     missing = sorted({j.task_id for j in jobs} - tasks.keys())
     if missing:
@@ -143,14 +149,18 @@ def grade_stage(
     options = options or GradeOptions()
     if run_label:
         options = replace(options, labels={**options.labels, "run": run_label})
-    grader = Grader(options)
+    work = Grading(options)
     start = time.monotonic()
-    with shards.ShardWriter(out_dir, Kind.GRADES, rows_per_file=1) as writer:
-        for row in _run(grader, tasks, todo, options.concurrency):
-            writer.add(row)  # a full disk: a ShardError naming the folder (shards.write_table)
-            summary.rows.append(row)
-            if on_done:
-                on_done(row)
+    try:
+        with shards.ShardWriter(out_dir, Kind.GRADES, rows_per_file=1) as writer:
+            executor = placement.make_executor()
+            for row in executor.map(work, [(tasks[j.task_id], j) for j in todo], options.concurrency):
+                writer.add(row)  # a full disk: a ShardError naming the folder (shards.write_table)
+                summary.rows.append(row)
+                if on_done:
+                    on_done(row)
+    finally:
+        summary.lost = work.lost_log
     summary.wall_s = time.monotonic() - start
     rows = summary.rows
     summary.graded = len(rows)
@@ -165,29 +175,35 @@ def grade_stage(
     return summary
 
 
-def _run(grader: Grader, tasks: dict[str, TaskRow], jobs: list[Job], concurrency: int) -> Iterator[GradeRow]:
-    """Grade rows as they finish; at most ``concurrency`` in flight."""
-    pending = iter(jobs)
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        running: set[Future[GradeRow]] = set()
+class Grading(Work[tuple[TaskRow, Job], GradeRow]):
+    """Grades as executor work: one grader per worker process; a grade lost with its worker runs
+    again up to ``retries`` times, then is an infrastructure failure."""
 
-        def submit() -> bool:
-            job = next(pending, None)
-            if job is None:
-                return False
-            running.add(pool.submit(grader.grade, tasks[job.task_id], job.patch, job.trial_id,
-                                    harness=job.harness, step=job.step))
-            return True
+    retries = 2
 
-        for _ in range(max(1, concurrency)):
-            if not submit():
-                break
-        while running:
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                running.discard(future)
-                yield future.result()
-                submit()
+    def __init__(self, options: GradeOptions):
+        self.options = options
+        self.lost_log: list[str] = []
+
+    def runner(self) -> Callable[[tuple[TaskRow, Job], int], GradeRow]:
+        grader = Grader(self.options)
+
+        def grade(item: tuple[TaskRow, Job], lost: int) -> GradeRow:
+            task, job = item
+            return grader.grade(task, job.patch, job.trial_id, harness=job.harness, step=job.step)
+
+        return grade
+
+    def lost(self, item: tuple[TaskRow, Job], error: str, attempts: int) -> GradeRow | None:
+        job = item[1]
+        self.lost_log.append(f"{job.trial_id}: attempt {attempts}: {error}")
+        if attempts <= self.retries:
+            return None
+        return GradeRow(trial_id=job.trial_id, task_id=job.task_id, status=GradeStatus.INFRA_ERROR,
+                        infra_failure=True, harness=job.harness, step=job.step, error=error)
+
+    def backoff_s(self, attempts: int) -> float:
+        return 2.0 * attempts
 
 
 def default_concurrency() -> int:
