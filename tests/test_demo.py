@@ -83,6 +83,15 @@ def test_warmup_example_masks_exactly_the_assistant_turns(tiny_model: Path) -> N
     assert trained == f"<tool_call>\n{call}\n</tool_call><|im_end|>{FINAL_ANSWER}<|im_end|>"
 
 
+def test_task_sets_from_different_seeds_share_no_id_and_ask_for_every_operator() -> None:
+    train, heldout = generate(8, seed=1000), generate(24, seed=5000)
+    assert not {t.instance_id for t in train} & {t.instance_id for t in heldout}
+    assert {(t.kind, t.right) for t in train} == {("flip", "+"), ("flip", "-"), ("compare", "<"), ("compare", ">")}
+    task = train[0]
+    assert task.fix_command.endswith(f"/a {task.right} b/' {task.filename}") and task.operators in task.fix_command
+    assert task.reversed_command == task.fix_command.replace(f"a {task.right} b/'", f"a {task.wrong} b/'")
+
+
 def test_shared_prefix_loss_equals_a_full_forward(tiny_model: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -155,31 +164,69 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
 
 @pytest.mark.podman
 @pytest.mark.slow
-def test_demo_loop_runs_rollout_grade_train_reload(tmp_path: Path, tiny_model: Path) -> None:
-    """Two steps of the loop on two tasks: every stage's shards for both steps in one run directory,
-    a checkpoint per step (the second step sampled from the first's), and the report."""
-    import sys
+def test_demo_runs_heldout_eval_loop_heldout_eval_and_writes_its_summary(tmp_path: Path, tiny_model: Path) -> None:
+    """The whole demo, small: held-out eval → two loop steps → held-out eval, in one run directory.
+    Every stage's shards for both steps, a checkpoint per step (the second sampled from the first's),
+    both held-out evals over the same never-trained tasks, summary.json with its documented keys,
+    the dashboard, and a closing table that fits 80 columns."""
+    from rich.console import Console
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "cpu-demo"))
-    from demo_loop import DemoConfig, run_loop
+    from demo_loop import DemoConfig, run_demo, summary_table
 
     run = tmp_path / "run"
-    cfg = DemoConfig(run=run, steps=2, tasks=2, samples=2, warmup_steps=3, warmup_tasks=20, model=None,
-                     rollout_concurrency=2, grade_concurrency=2)
     shutil.copytree(tiny_model, tmp_path / "base")
-    cfg.model = tmp_path / "base"
-    records = run_loop(cfg)
-    assert [r.step for r in records] == [0, 1]
-    assert all(r.graded == 4 and r.infra == 0 for r in records)
+    cfg = DemoConfig(run=run, steps=2, tasks=2, samples=2, heldout=2, model=tmp_path / "base",
+                     rollout_concurrency=2, grade_concurrency=2)
+    summary = run_demo(cfg)
+    assert [s["step"] for s in summary["steps"]] == [0, 1]
+    assert all(s["graded"] == 4 and s["infra"] == 0 for s in summary["steps"])
     rollouts = shards.read_rows(run / "rollouts", Kind.ROLLOUTS)
     assert sorted(r.step for r in rollouts) == [0, 0, 0, 0, 1, 1, 1, 1]
     assert all(r.segments and sum(r.segments[0].loss_mask) > 0 for r in rollouts)
     assert len(shards.read_rows(run / "grades", Kind.GRADES)) == 8
     checkpoints = run / "train" / "checkpoints"
-    assert (checkpoints / "step-0" / "config.json").exists() and (checkpoints / "step-1" / "config.json").exists()
     info = json.loads((checkpoints / "step-1" / "legorl_train.json").read_text())
     assert info["started_from"].endswith("step-0")
-    report = json.loads((run / "report.json").read_text())
-    assert [s["step"] for s in report["steps"]] == [0, 1]
-    assert all({mk.LOSS, mk.LOGPROB_PEARSON, mk.MISMATCH_KL, mk.IS_ESS} <= set(s["train_metrics"]) for s in report["steps"])
-    assert (run / "report.md").read_text().count("\n| ") == 4  # header, separator, two steps
+    assert all({mk.LOSS, mk.LOGPROB_PEARSON} <= set(s["train_metrics"]) for s in summary["steps"])
+
+    train_ids = {r.task_id for r in rollouts}
+    eval_rows = shards.read_rows(run / "eval" / "rollouts", Kind.ROLLOUTS)
+    assert sorted(r.step for r in eval_rows) == [0, 0, 2, 2]  # before (step 0) and after (step 2)
+    assert not train_ids & {r.task_id for r in eval_rows}  # held-out: never trained on
+    for name in ("before", "after"):
+        h = summary["heldout"][name]
+        assert h["tasks"] == 2 and h["infra_failures"] == 0 and 0.0 <= h["interval"][0] <= h["interval"][1] <= 1.0
+    assert summary["heldout"]["gain"] == pytest.approx(
+        summary["heldout"]["after"]["pass_at_1"] - summary["heldout"]["before"]["pass_at_1"])
+    written = json.loads((run / "summary.json").read_text())
+    assert written == summary
+    assert {"heldout", "rewards", "steps", "wall_s", "cpu_s", "loop_s", "warmup_s", "config"} <= set(written)
+    assert len(written["rewards"]) == 2
+    assert (run / "dashboard" / "index.html").is_file() and (run / "reward.png").is_file()
+
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(summary_table(summary))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert any("before (step 0)" in line for line in lines) and any("gain" in line for line in lines)
+
+
+def test_summarize_table_and_bar(tmp_path: Path) -> None:
+    """The seeds' table reads what learn.py writes and judges the bar: every gain >= 0.15 and the
+    mean >= 3x the seeds' std."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "cpu-demo"))
+    from summarize import table
+
+    def seed(s: int, before: float, after: float) -> dict[str, object]:
+        def h(step: int, rate: float) -> dict[str, object]:
+            return {"step": step, "tasks": 24, "resolved": round(rate * 24), "pass_at_1": rate,
+                    "interval": [max(0.0, rate - 0.2), min(1.0, rate + 0.2)], "infra_failures": 0, "seconds": 1.0}
+        return {"seed": s, "heldout": {"before": h(0, before), "after": h(8, after), "gain": after - before},
+                "trials_per_step": 32, "loop_s": 600.0, "wall_s": 700.0, "cpu_s": 900.0, "rewards": [0.1, 0.2]}
+
+    lines, verdict = table([seed(0, 0.25, 0.5), seed(1, 0.25, 0.45), seed(2, 0.2, 0.5)])
+    assert verdict["bar_met"] is True and len(lines) == 2 + 3 + 2
+    assert "| 0 | 24 | 0.250 [0.05, 0.45] | 0.500 [0.30, 0.70] | +0.250 | 32 | 10.0 | 11.7 | 15.0 |" in lines
+    _, weak = table([seed(0, 0.25, 0.5), seed(1, 0.25, 0.35)])
+    assert weak["bar_met"] is False and weak["min_gain"] == pytest.approx(0.1)

@@ -1,13 +1,15 @@
-"""A short supervised warm-up on the ``simple`` driver's exact conversation.
+"""A short supervised warm-up on a harness's exact conversation for the demo tasks.
 
-Each example is the conversation the driver holds for one demo task, rendered with the model's own
-chat template and the driver's own system prompt and tool — the same tokens the proxy will render
-at rollout time:
+Each example is the conversation one harness holds for one demo task, rendered with the model's own
+chat template and the harness's own system prompt, first message and tool — the same tokens the
+proxy will render at rollout time. Two formats (:class:`AgentFormat`):
 
-    system (+ the bash tool)  →  user: problem statement
-    assistant: <tool_call> bash {"command": "sed -i 's/OLD/NEW/' FILE"} </tool_call>
-    tool: exit code 0
-    assistant: DONE
+- ``simple`` (legorl's driver): system (+ the bash tool) → user: the statement → assistant:
+  ``bash {"command": "sed -i 's/a [-+] b/a + b/' calc.py"}`` → tool: exit code 0 → assistant: DONE;
+- ``mini-swe-agent`` (unmodified, driven by a config file such as
+  ``examples/cpu-demo/mini-swe-agent.yaml``): its system and instance templates rendered the way
+  it renders them (Jinja, StrictUndefined), its own ``bash`` tool schema read from the installed
+  harness, and one tool call that edits and submits: ``sed ... && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``.
 
 The loss is on the assistant turns only. A share of the demonstrations is deliberately wrong
 (``wrong_fraction``), which sets the solve rate the RL loop starts from (see
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,20 +32,74 @@ from legorl.harnesses.simple import BASH_TOOL, SYSTEM_PROMPT, tool_result
 from legorl.models import supervised_steps
 
 FINAL_ANSWER = "DONE"
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent ends the episode on this output
+
+
+def _call(command: str) -> dict[str, Any]:
+    return {"id": "call_0", "type": "function",
+            "function": {"name": "bash", "arguments": json.dumps({"command": command})}}
+
+
+@dataclass(frozen=True)
+class AgentFormat:
+    """How a harness holds a demo conversation: its system prompt, its first user message for a
+    statement, its tools, and whether a demonstration submits inside its one command."""
+
+    harness: str
+    system: str
+    instance: str  # the first user message, with "{task}" where the statement goes
+    tools: tuple[dict[str, Any], ...]
+    submit_in_command: bool  # mini-swe-agent: `CMD && echo COMPLETE_...`; simple: a final "DONE" reply
+
+    def first_messages(self, statement: str) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": self.system},
+                {"role": "user", "content": self.instance.replace("{task}", statement)}]
+
+    def conversation(self, task: DemoTask, command: str | None = None) -> list[dict[str, Any]]:
+        """The conversation for ``task`` when the model runs ``command`` (default: the fix)."""
+        command = command or task.fix_command
+        if self.submit_in_command:
+            return [*self.first_messages(task.statement),
+                    {"role": "assistant", "content": "", "tool_calls": [_call(f"{command} && {SUBMIT}")]}]
+        return [*self.first_messages(task.statement),
+                {"role": "assistant", "content": "", "tool_calls": [_call(command)]},
+                {"role": "tool", "tool_call_id": "call_0", "content": tool_result(0, "")},
+                {"role": "assistant", "content": FINAL_ANSWER}]
+
+
+SIMPLE = AgentFormat("simple", SYSTEM_PROMPT, "{task}", (BASH_TOOL,), submit_in_command=False)
+
+
+def mini_swe_agent_format(config: Path, python: str | None = None) -> AgentFormat:
+    """mini-swe-agent's conversation under ``config`` (its YAML): the templates rendered as the agent
+    renders them, and the tool schema of the installed harness (``python`` = its interpreter)."""
+    import jinja2
+    import yaml
+
+    try:
+        agent = (yaml.safe_load(Path(config).read_text()) or {})["agent"]
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        system = env.from_string(agent["system_template"]).render()
+        marker = "\x00TASK\x00"
+        instance = env.from_string(agent["instance_template"]).render(task=marker).replace(marker, "{task}")
+    except (OSError, KeyError, TypeError, yaml.YAMLError, jinja2.TemplateError) as e:
+        raise ConfigError(f"{config}: not a mini-swe-agent config the demo can render "
+                          f"(agent.system_template / agent.instance_template using only {{{{task}}}}): {e}") from e
+    if python is None:
+        from legorl.harnesses.install import require
+
+        python = require("mini-swe-agent").python
+    probe = ("import json; from minisweagent.models.utils.actions_toolcall import BASH_TOOL; "
+             "print(json.dumps(BASH_TOOL))")
+    out = subprocess.run([python or "python", "-c", probe], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise ConfigError(f"could not read mini-swe-agent's bash tool from {python}: {out.stderr.strip()[-300:]}")
+    return AgentFormat("mini-swe-agent", system, instance, (json.loads(out.stdout),), submit_in_command=True)
 
 
 def conversation(task: DemoTask, command: str | None = None) -> list[dict[str, Any]]:
-    """The driver's conversation for ``task`` when the model runs ``command`` (default: the fix)."""
-    command = command or task.fix_command
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "bash", "arguments": json.dumps({"command": command})}}
-    return [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": task.statement},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_0", "content": tool_result(0, "")},
-        {"role": "assistant", "content": FINAL_ANSWER},
-    ]
+    """The ``simple`` driver's conversation for ``task`` when the model runs ``command`` (default: the fix)."""
+    return SIMPLE.conversation(task, command)
 
 
 @dataclass
@@ -51,20 +108,20 @@ class Example:
     loss_mask: list[int]  # 1 on assistant tokens (what the policy samples)
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
+def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = (BASH_TOOL,)) -> Example:
     """Token ids of the whole conversation and a mask over its assistant turns.
 
     Assistant spans are found by rendering each prefix that ends just before an assistant turn with
     the generation prompt: the assistant's tokens are what lies between that and the next prefix
     (its ``<|im_end|>`` included, the newline after it not: the proxy puts that in the next prompt).
     """
-    ids: list[int] = tokenizer.apply_chat_template(messages, tools=[BASH_TOOL], tokenize=True, return_dict=False)
+    ids: list[int] = tokenizer.apply_chat_template(messages, tools=list(tools), tokenize=True, return_dict=False)
     mask = [0] * len(ids)
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(tokenizer.apply_chat_template(messages[:i], tools=[BASH_TOOL], tokenize=True,
+        start = len(tokenizer.apply_chat_template(messages[:i], tools=list(tools), tokenize=True,
                                                   return_dict=False, add_generation_prompt=True))
         stop = ids.index(end_id, start) + 1
         for j in range(start, stop):
@@ -72,11 +129,12 @@ def render(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
     return Example(list(ids), mask)
 
 
-def examples(tokenizer: Any, tasks: Sequence[DemoTask], wrong_fraction: float = 0.0, seed: int = 0) -> list[Example]:
+def examples(tokenizer: Any, tasks: Sequence[DemoTask], wrong_fraction: float = 0.0, seed: int = 0,
+             fmt: AgentFormat = SIMPLE) -> list[Example]:
     """One example per task; a ``wrong_fraction`` of them demonstrate the edit in the wrong direction."""
     rng = random.Random(seed)
-    return [render(tokenizer, conversation(t, t.reversed_command if rng.random() < wrong_fraction else None))
-            for t in tasks]
+    return [render(tokenizer, fmt.conversation(t, t.reversed_command if rng.random() < wrong_fraction else None),
+                   fmt.tools) for t in tasks]
 
 
 def train_format(
@@ -89,8 +147,9 @@ def train_format(
     wrong_fraction: float = 0.0,
     seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
+    fmt: AgentFormat = SIMPLE,
 ) -> dict[str, float]:
-    """Supervised training on the driver's conversation for ``tasks``; saves the model in place.
+    """Supervised training on ``fmt``'s conversation for ``tasks``; saves the model in place.
 
     ``wrong_fraction`` of the demonstrations reverse the edit (an imperfect demonstrator): the model
     learns the format and the lookup from words to operators, but also to pick the wrong direction
@@ -109,7 +168,7 @@ def train_format(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    data = examples(tokenizer, tasks, wrong_fraction, seed)
+    data = examples(tokenizer, tasks, wrong_fraction, seed, fmt)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pad = int(tokenizer.pad_token_id)
@@ -121,7 +180,7 @@ def train_format(
     model.save_pretrained(model_dir)
     info_path = model_dir / "legorl_model.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    info["demo_sft"] = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "examples": len(data),
+    info["demo_sft"] = {"harness": fmt.harness, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "examples": len(data),
                         "wrong_fraction": wrong_fraction, "last_loss": last}
     info_path.write_text(json.dumps(info))
     return {"first_loss": first, "last_loss": last, "seconds": seconds, "steps": steps, "examples": len(data)}
