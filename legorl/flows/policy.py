@@ -1,5 +1,6 @@
-"""The policy as a proxy: a model directory served by an embedded engine in this process, or an
-external ``legorl serve-proxy``. :func:`open_policy` builds either and closes it exactly once."""
+"""The policy as a proxy: a model directory served in this process (by the embedded engine, or by a
+vLLM server: an existing one at ``upstream`` or one started here), or an external ``legorl
+serve-proxy``. :func:`open_policy` builds any of them and closes it exactly once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from legorl.engines.base import Engine
 from legorl.engines.watched import WatchedEngine
 from legorl.errors import LegorlError
 from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
@@ -22,7 +24,15 @@ Loading = Callable[[Path], AbstractContextManager[object]]
 class PolicySpec:
     """Where the policy is: ``model`` (served in this process) or ``proxy_url``, exactly one."""
 
-    model: Path | None = field(default=None, metadata={"help": "Model directory for the embedded engine."})
+    model: Path | None = field(default=None, metadata={"help": (
+        "Model directory: the embedded engine's weights, or a vLLM engine's tokenizer (and the weights of the "
+        "vLLM server started here when there is no --upstream).")})
+    engine: str = field(default="embedded", metadata={"help": (
+        "What serves --model: embedded (in this process) or vllm (the server at --upstream, or one started "
+        "here on --model; see `legorl vllm install`).")})
+    upstream: str | None = field(default=None, metadata={"help": (
+        "URL of a running vLLM server (with --engine vllm): it serves the policy, and a training loop reloads "
+        "its weights each step.")})
     proxy_url: str | None = field(default=None, metadata={"aliases": ["--proxy"], "help": (
         "URL of a running `legorl serve-proxy` (instead of --model).")})
     api_key: str | None = field(default=None, metadata={"help": "API key of the --proxy."})
@@ -33,11 +43,18 @@ class PolicySpec:
 
     def validate(self) -> None:
         if (self.model is None) == (self.proxy_url is None):
-            raise LegorlError("give exactly one of --model DIR (embedded engine) or --proxy URL")
+            raise LegorlError("give exactly one of --model DIR (served here) or --proxy URL")
+        if self.engine not in ENGINES:
+            raise LegorlError(f"--engine {self.engine}: choose one of {', '.join(ENGINES)}")
+        if self.upstream is not None and self.engine != "vllm":
+            raise LegorlError("--upstream is a vLLM server's URL: it needs --engine vllm")
+        if self.proxy_url is not None and self.engine != "embedded":
+            raise LegorlError("--engine serves --model here; a --proxy brings its own engine")
 
 
+ENGINES = ("embedded", "vllm")
 # The fields of PolicySpec a command that runs trials takes as options.
-POLICY_FIELDS = ("model", "proxy_url", "api_key")
+POLICY_FIELDS = ("model", "engine", "upstream", "proxy_url", "api_key")
 
 
 @dataclass
@@ -54,6 +71,16 @@ class Policy:
         asyncio.run(self.engine.load_weights(str(checkpoint)))
 
 
+def _engine(spec: PolicySpec, model: Path) -> Engine:
+    if spec.engine == "vllm":
+        from legorl.engines.vllm_server import vllm_engine
+
+        return vllm_engine(model, spec.upstream, name=spec.engine_name, max_context=spec.max_context)
+    from legorl.engines.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(model, name=spec.engine_name, max_context=spec.max_context)
+
+
 def require_model_dir(model: Path) -> None:
     if not (model / "config.json").exists():
         raise LegorlError(f"--model {model}: not a model directory (no config.json)")
@@ -68,10 +95,8 @@ def open_policy(spec: PolicySpec, *, loading: Loading | None = None) -> Iterator
             yield Policy(remote)
         return
     assert spec.model is not None
-    from legorl.engines.embedded import EmbeddedEngine
-
     with loading(spec.model) if loading is not None else contextlib.nullcontext():
-        engine = EmbeddedEngine(spec.model, name=spec.engine_name, max_context=spec.max_context)
+        engine = _engine(spec, spec.model)
     try:
         with InProcessProxy(engine, str(spec.tokenizer or spec.model), temperature=spec.temperature) as proxy:
             yield Policy(proxy, proxy.engine)
