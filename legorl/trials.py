@@ -68,10 +68,20 @@ class TrialOptions:
         "Policy sampling temperature: the in-process proxy samples every call at it (top-p 1, top-k off), "
         "whatever the harness asks; recorded on every call for the trainer.")})
     retries: int = field(default=2, metadata={"help": "Extra attempts after an infrastructure error."})
+    harness_config: Path | None = field(default=None, metadata={"help": (
+        "The harness's own config file, in its own format (mini-swe-agent: its YAML, e.g. "
+        "examples/cpu-demo/mini-swe-agent.yaml); default: the config the adapter ships with.")})
 
     def __post_init__(self) -> None:
         if not self.harnesses:
             raise ConfigError("--harness: name at least one harness")
+        if self.harness_config is not None:
+            if not Path(self.harness_config).is_file():
+                raise ConfigError(f"--harness-config {self.harness_config}: no such file")
+            refusing = [n for n in self.harnesses if not getattr(get_harness(n), "takes_config_file", False)]
+            if refusing:
+                raise ConfigError(f"--harness-config: {', '.join(refusing)} take(s) no config file "
+                                  "(only mini-swe-agent reads one)")
         for name, value in (("--samples", self.samples), ("--concurrency", self.concurrency),
                             ("--max-turns", self.max_turns), ("--limit", self.limit), ("--max-tokens", self.max_tokens)):
             if value is not None and value < 1:
@@ -82,6 +92,11 @@ class TrialOptions:
             raise ConfigError(f"--timeout must be positive, got {self.timeout_s}")
         if self.temperature is not None and not (0 <= self.temperature < float("inf")):
             raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+
+
+def _config_path(cfg: TrialSettings) -> str | None:
+    path = getattr(cfg, "harness_config", None)  # TrialOptions has it; other TrialSettings may not
+    return None if path is None else str(Path(path).resolve())
 
 
 class TrialSettings(Protocol):
@@ -244,6 +259,7 @@ class TrialRunner:
                 trial_id=key, problem_statement=job.task.problem_statement or "", model=self.proxy.model,
                 openai_base_url=openai_url, anthropic_base_url=anthropic_url, max_turns=cfg.max_turns,
                 timeout_s=cfg.timeout_s, temperature=cfg.temperature, context_tokens=self.proxy.context_tokens,
+                harness_config=_config_path(cfg),
             )
             t1 = time.monotonic()
             try:

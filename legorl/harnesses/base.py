@@ -80,6 +80,7 @@ class TrialSpec:
     temperature: float | None = None
     workdir: str = "/testbed"
     context_tokens: int | None = None  # the engine's context, for harnesses that must be told it
+    harness_config: str | None = None  # the harness's own config file (absolute), when one was given
 
 
 
@@ -140,6 +141,7 @@ class BaseHarness(ABC):
     name: ClassVar[str]
     in_container: ClassVar[bool]
     needs_install: ClassVar[bool] = True  # False: nothing to install (runs in legorl's own process)
+    takes_config_file: ClassVar[bool] = False  # reads TrialSpec.harness_config (--harness-config)
 
     def __init__(self, install: Installation | None = None) -> None:
         self._install = install

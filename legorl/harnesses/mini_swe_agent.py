@@ -32,7 +32,8 @@ class MiniSweAgent(ProcessHarness):
     name = "mini-swe-agent"
     in_container = False
 
-    config = "swebench"  # the config mini-swe-agent ships for SWE-bench-style tasks
+    config = "swebench"  # the config mini-swe-agent ships for SWE-bench-style tasks (--harness-config: another)
+    takes_config_file = True
     command_timeout_s = 60
 
     def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
@@ -48,7 +49,7 @@ class MiniSweAgent(ProcessHarness):
             "model_kwargs": model_kwargs,
             "task": trial.problem_statement,
             "max_turns": trial.max_turns,
-            "config": self.config,
+            "config": trial.harness_config or self.config,
             "command_timeout": self.command_timeout_s,
         }
         config = paths.host / "mini-swe-agent.json"
