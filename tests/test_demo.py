@@ -164,6 +164,54 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
 
 @pytest.mark.podman
 @pytest.mark.slow
+def test_mini_swe_agent_with_the_demo_config_holds_the_warmup_conversation(tmp_path: Path, tiny_model: Path) -> None:
+    """Unmodified mini-swe-agent, driven by the demo's config file, against the real proxy (a
+    scripted engine replaying the warm-up's own assistant turn, or a wrong one) in real sandboxes:
+    one call per trial, the right command graded 1 and the wrong one 0, and the tokens the proxy
+    captured are exactly the warm-up's (prompt and sampled turn) — so the warm-up teaches the
+    conversation the harness really holds."""
+    from transformers import AutoTokenizer
+
+    from legorl.demo.sft import SUBMIT, mini_swe_agent_format
+    from legorl.engines.scripted import ScriptedCall, ScriptedEngine
+    from legorl.grading.grader import GradeOptions
+    from legorl.proxy.clients import InProcessProxy
+    from legorl.stages.grade import grade_stage, rollout_jobs
+    from legorl.stages.rollout import RolloutConfig, rollout_stage
+    from legorl.stages.tasks import import_stage
+
+    config = Path(__file__).resolve().parents[1] / "examples" / "cpu-demo" / "mini-swe-agent.yaml"
+    fmt = mini_swe_agent_format(config)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    run = tmp_path / "run"
+    import_stage(str(write_task_set(tmp_path / "set", 1, seed=3)), run / "tasks")
+    task = generate(1, seed=3)[0]
+
+    def reply(call: ScriptedCall) -> str:
+        command = task.fix_command if call.index < 1 else task.reversed_command  # samples run one after the other
+        args = {"command": f"{command} && {SUBMIT}"}
+        return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": args}) + "\n</tool_call>"
+
+    with InProcessProxy(ScriptedEngine(tok, reply), tok) as proxy:
+        summary = rollout_stage(RolloutConfig(run=run, harnesses=["mini-swe-agent"], harness_config=config,
+                                              samples=2, max_turns=2, concurrency=1, timeout_s=180), proxy)
+    assert summary.outcomes == {"submitted": 2}
+    jobs, infra = rollout_jobs(run / "rollouts")
+    grades = grade_stage(run / "tasks", run / "grades", jobs, GradeOptions(concurrency=2, test_timeout=60))
+    by_trial = {g.trial_id: g.reward for g in grades.rows}
+    rows = {r.sample_index: r for r in shards.read_rows(run / "rollouts", Kind.ROLLOUTS)}
+    assert infra == 0 and by_trial[rows[0].trial_id] == 1.0 and by_trial[rows[1].trial_id] == 0.0
+    assert all(len(r.calls) == 1 for r in rows.values())
+
+    expected = render(tok, fmt.conversation(task), fmt.tools)
+    (segment,) = rows[0].segments
+    n = len(segment.token_ids)
+    assert segment.token_ids == expected.token_ids[:n] and n >= len(expected.token_ids) - 1
+    assert [int(m) for m in segment.loss_mask] == expected.loss_mask[:n]
+
+
+@pytest.mark.podman
+@pytest.mark.slow
 def test_demo_runs_heldout_eval_loop_heldout_eval_and_writes_its_summary(tmp_path: Path, tiny_model: Path) -> None:
     """The whole demo, small: held-out eval → two loop steps → held-out eval, in one run directory.
     Every stage's shards for both steps, a checkpoint per step (the second sampled from the first's),

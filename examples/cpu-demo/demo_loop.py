@@ -39,13 +39,16 @@ from legorl.schemas import Kind
 REPORTED_METRICS = (mk.LOSS, mk.ZERO_VARIANCE_SHARE, mk.ENTROPY, mk.GRAD_NORM, mk.LOGPROB_PEARSON, mk.MISMATCH_KL,
                     mk.IS_ESS)
 SUMMARY_VERSION = 1
+HERE = Path(__file__).resolve().parent
+MINI_SWE_AGENT_CONFIG = HERE / "mini-swe-agent.yaml"
 
 
 @dataclass
 class DemoConfig:
     run: Path
     seed: int = 0
-    harness: str = "simple"
+    harness: str = "simple"  # or mini-swe-agent (unmodified, driven by harness_config)
+    harness_config: Path | None = None  # default for mini-swe-agent: mini-swe-agent.yaml here
     # Defaults = the setting measured in examples/cpu-demo/README.md.
     steps: int = 8
     tasks: int = 8  # tasks rolled out every step
@@ -66,6 +69,23 @@ class DemoConfig:
     model_size: str = "tiny"
     threads: int = 1  # torch intra-op threads: the other core runs podman (sandboxes, grading)
     dashboard: bool = True  # export the static dashboard at the end
+
+
+    def __post_init__(self) -> None:
+        if self.harness == "mini-swe-agent" and self.harness_config is None:
+            self.harness_config = MINI_SWE_AGENT_CONFIG
+
+    def agent_format(self) -> Any:
+        """The conversation the harness holds, for the warm-up (:class:`legorl.demo.sft.AgentFormat`)."""
+        from legorl.demo.sft import SIMPLE, mini_swe_agent_format
+        from legorl.errors import ConfigError
+
+        if self.harness == "simple":
+            return SIMPLE
+        if self.harness == "mini-swe-agent":
+            assert self.harness_config is not None
+            return mini_swe_agent_format(self.harness_config)
+        raise ConfigError(f"--harness {self.harness}: the demo's warm-up knows simple and mini-swe-agent")
 
 
 @dataclass
@@ -152,7 +172,8 @@ def prepare_model(cfg: DemoConfig) -> Path:
 
         # Warm-up tasks come from seed 10_000 + seed: never a training or held-out task.
         stats = train_format(tmp, generate(cfg.warmup_tasks, 10_000 + cfg.seed), steps=cfg.warmup_steps,
-                             lr=cfg.warmup_lr, wrong_fraction=cfg.warmup_wrong, seed=cfg.seed, progress=progress)
+                             lr=cfg.warmup_lr, wrong_fraction=cfg.warmup_wrong, seed=cfg.seed, progress=progress,
+                             fmt=cfg.agent_format())
     tmp.rename(out)
     log(f"model: built and warmed up in {time.perf_counter() - t0:.0f} s (format loss {stats['last_loss']:.3f})")
     return out
@@ -171,7 +192,7 @@ def held_out(cfg: DemoConfig, tasks: Path, model: Path, tokenizer: Path, step: i
 
     t0 = time.perf_counter()
     settings = EvalSettings(run=cfg.run, tasks=tasks, step=step, samples=1, ks=[1], harnesses=[cfg.harness],
-                            max_turns=cfg.max_turns, timeout_s=180.0, concurrency=cfg.rollout_concurrency,
+                            harness_config=cfg.harness_config, max_turns=cfg.max_turns, timeout_s=180.0, concurrency=cfg.rollout_concurrency,
                             grade=GradeOptions(concurrency=cfg.grade_concurrency, test_timeout=60.0))
     policy = PolicySpec(model=model, tokenizer=tokenizer, engine_name="demo-policy", max_context=2048)
     outcomes = Outcomes()
@@ -207,7 +228,8 @@ def run_loop(cfg: DemoConfig, model_dir: Path, on_record: Any = None) -> list[St
 
     run = RunDir.at(cfg.run)
     online = OnlineConfig(
-        rollout=RolloutConfig(run=cfg.run, harnesses=[cfg.harness], samples=cfg.samples,
+        rollout=RolloutConfig(run=cfg.run, harnesses=[cfg.harness], harness_config=cfg.harness_config,
+                              samples=cfg.samples,
                               concurrency=cfg.rollout_concurrency, timeout_s=180.0, max_turns=cfg.max_turns,
                               temperature=cfg.temperature),
         train=TrainConfig(loss=cfg.loss, learning_rate=cfg.lr, num_iterations=cfg.num_iterations,  # type: ignore[arg-type]

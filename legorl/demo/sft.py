@@ -19,6 +19,7 @@ The loss is on the assistant turns only. A share of the demonstrations is delibe
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 from collections.abc import Callable, Sequence
@@ -91,10 +92,12 @@ def mini_swe_agent_format(config: Path, python: str | None = None) -> AgentForma
         python = require("mini-swe-agent").python
     probe = ("import json; from minisweagent.models.utils.actions_toolcall import BASH_TOOL; "
              "print(json.dumps(BASH_TOOL))")
-    out = subprocess.run([python or "python", "-c", probe], capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
+    env = dict(os.environ, MSWEA_SILENT_STARTUP="1", LITELLM_LOCAL_MODEL_COST_MAP="True")
+    out = subprocess.run([python or "python", "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
         raise ConfigError(f"could not read mini-swe-agent's bash tool from {python}: {out.stderr.strip()[-300:]}")
-    return AgentFormat("mini-swe-agent", system, instance, (json.loads(out.stdout),), submit_in_command=True)
+    return AgentFormat("mini-swe-agent", system, instance, (json.loads(lines[-1]),), submit_in_command=True)
 
 
 def conversation(task: DemoTask, command: str | None = None) -> list[dict[str, Any]]:
