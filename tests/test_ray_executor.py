@@ -1,0 +1,158 @@
+"""``legorl rollout --executor ray`` on a real local Ray cluster (a head and two worker nodes on this
+machine): a worker node SIGKILLed mid-run loses its trial, which is retried as an infrastructure
+failure on the node left, and every trial ends in ``rollouts/`` exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rollout_support import import_one, scripted, tool_call
+from test_sharded_stages import edit_command
+
+from legorl import shards
+from legorl.engines.base import Generation, SamplingParams
+from legorl.engines.scripted import ScriptedEngine
+from legorl.errors import LegorlError
+from legorl.executors import RAY_MISSING, ExecutorOptions, RayExecutor
+from legorl.proxy.server import ProxyServer
+from legorl.schemas import Kind, Outcome
+
+LEGORL = str(Path(sys.executable).parent / "legorl")
+SAMPLES = 4
+
+
+def test_missing_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(LegorlError, match=r"pip install 'legorl\[ray\]'") as err:
+        next(RayExecutor("auto").map(None, [1], 1))  # type: ignore[arg-type]
+    assert str(err.value) == RAY_MISSING
+    assert isinstance(ExecutorOptions(executor="ray").make_executor(), RayExecutor)
+
+
+class HeldEngine(ScriptedEngine):
+    """Holds every call (off the proxy's event loop) until ``release`` is set: the test kills a node
+    while a trial on each node is waiting for its model."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.held = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if not self.release.is_set():
+            self.held.release()
+            await asyncio.to_thread(self.release.wait, 240)
+        return await super().generate(prompt_ids, params)
+
+
+def _ray() -> Any:
+    try:
+        import ray.cluster_utils
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("ray is not installed (it is in the dev extra)")
+        pytest.skip("ray is not installed: pip install 'legorl[ray]'")
+    return ray
+
+
+@pytest.fixture
+def cluster() -> Iterator[Any]:
+    """A head with no CPUs (trials never run there) and two one-CPU worker nodes, in a short temp dir
+    (Ray's unix socket paths must stay short), every port picked free by Ray, dashboard off; node
+    deaths are noticed within a few seconds."""
+    ray = _ray()
+    temp = tempfile.mkdtemp(prefix="lray-", dir="/tmp")
+    head = ray.cluster_utils.Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp, "node_ip_address": "127.0.0.1",
+        "_system_config": {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+                           "health_check_failure_threshold": 3}})
+    try:
+        for _ in range(2):
+            head.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        head.wait_for_nodes(timeout=120)
+        yield head
+    finally:
+        head.shutdown()
+        subprocess.run(["rm", "-rf", temp], check=False)
+
+
+def _kill_node(node: Any) -> list[int]:
+    """SIGKILL a worker node's raylet and everything under it (its Ray workers, their children)."""
+    import psutil
+
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    victims = [*raylet.children(recursive=True), raylet]
+    for proc in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    return [p.pid for p in victims]
+
+
+def _remove_containers(run: Path) -> list[str]:
+    from legorl.sandbox.host import run_podman
+
+    names = run_podman(["ps", "-a", "--filter", f"label=legorl.run={run.name}", "--format", "{{.Names}}"]
+                       ).stdout.decode().split()
+    for name in names:
+        run_podman(["rm", "-f", "-t", "0", name])
+    return names
+
+
+@pytest.mark.podman
+@pytest.mark.slow
+def test_ray_rollout_survives_a_killed_worker_node(cluster: Any, tiny_model: Path, base_image: str,
+                                                  tmp_path: Path) -> None:
+    run = tmp_path / f"run-{uuid.uuid4().hex[:12]}"
+    task = import_one(run, tmp_path)
+    engine = HeldEngine(str(tiny_model), scripted([tool_call("bash", {"command": edit_command(task)})]),
+                        max_context=32768)
+    held, release = engine.held, engine.release
+    args = [LEGORL, "rollout", "--run", str(run), "--harness", "simple", "--samples", str(SAMPLES),
+            "--concurrency", "2", "--max-turns", "3", "--timeout", "180", "--retries", "2",
+            "--executor", "ray", "--address", cluster.address, "--json"]
+    with ProxyServer(engine, str(tiny_model)) as server:
+        proc = subprocess.Popen([*args, "--proxy", server.base_url], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            for _ in range(2):  # one trial in a model call on each worker node
+                while not held.acquire(timeout=1.0):
+                    assert proc.poll() is None, proc.communicate()[1][-3000:]
+                    assert time.monotonic() < deadline, "no trial reached the proxy on both nodes"
+            victim = sorted(cluster.worker_nodes, key=lambda n: n.unique_id)[0]
+            assert _kill_node(victim)
+            time.sleep(1.0)
+            release.set()
+            out, err = proc.communicate(timeout=300)
+        finally:
+            release.set()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            left = _remove_containers(run)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["workers_lost"] >= 1 and all("ray worker lost" in line for line in result["lost"]), result
+    data = shards.read(run / "rollouts", Kind.ROLLOUTS)
+    assert data.duplicates == 0 and data.table.num_rows == SAMPLES  # every trial exactly once
+    rows = {r.trial_id: r for r in shards.read_rows(run / "rollouts", Kind.ROLLOUTS)}
+    assert sorted(rows) == sorted(f"{task.instance_id}/simple/step0/sample{k}" for k in range(SAMPLES))
+    for row in rows.values():  # the lost trials were retried and solved: a lost worker is never a reward
+        assert row.outcome == Outcome.SUBMITTED and not row.infra_failure, (row.trial_id, row.outcome, row.error)
+    lost = {line.split(": attempt ")[0] for line in result["lost"]}
+    assert lost <= rows.keys() and all(rows[k].attempts >= 2 for k in lost), [rows[k].attempts for k in lost]
+    assert len(left) <= len(lost)  # only the killed node's sandbox was left behind (its owner died)
