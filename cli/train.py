@@ -49,6 +49,10 @@ def register(app: typer.Typer) -> None:
             console.print(f"step {result.step} already trained: {result.checkpoint}")
             return
         m = result.metrics
+        if result.skipped:
+            console.print(f"step {result.step}: skipped ({result.skipped}): {result.trials} trials, no update"
+                          f" -> {result.checkpoint} (the policy it started from)")
+            return
         console.print(
             f"step {result.step}: {result.trials} trials, {result.sequences} sequences, {result.updates} updates"
             f" -> {result.checkpoint}"

@@ -51,6 +51,14 @@ ROUTING_REPLAY: Final = "routing/replay"
 ROUTING_NATURAL_FLIP_RATE: Final = "routing/natural_flip_rate"
 ROUTING_EFFECTIVE_FLIP_RATE: Final = "routing/effective_flip_rate"
 
+# Work not done on zero signal (TrainOptions.skip_zero_advantage; stages/train.py: run_train). Every
+# step writes SKIPPED: 1.0 when it made no update, then SKIPPED_BECAUSE + the reason (the one reason
+# today: SKIP_ZERO_ADVANTAGE, every trial's advantage is 0) is 1.0 too; 0.0 when it trained.
+SKIPPED: Final = "skipped"
+SKIPPED_BECAUSE: Final = "skipped/"
+SKIP_ZERO_ADVANTAGE: Final = "zero_advantage"
+TRIALS_SKIPPED: Final = "trials/skipped_zero_advantage"  # trials neither scored nor trained (advantage 0)
+
 # Throughput of the step (stages/train.py: run_train).
 PERF_TOKENS_PER_S: Final = "perf/tokens_per_s"
 PERF_PADDING_WASTE: Final = "perf/padding_waste"

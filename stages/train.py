@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import time
@@ -38,6 +39,8 @@ from legorl.training.metrics import MetricsRecorder, harness_split
 from legorl.training.sampling import StepSampling, step_sampling
 from legorl.training.weighting import segment_scales
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class TrainResult:
@@ -50,12 +53,13 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)
     started_from: str = ""
     already_done: bool = False
+    skipped: str | None = None  # why the step made no update (metric_keys.SKIP_*), None when it trained
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "step": self.step, "checkpoint": str(self.checkpoint), "updates": self.updates, "trials": self.trials,
             "sequences": self.sequences, "dropped": self.dropped, "metrics": self.metrics,
-            "started_from": self.started_from, "already_done": self.already_done,
+            "started_from": self.started_from, "already_done": self.already_done, "skipped": self.skipped,
         }
 
 
@@ -116,8 +120,12 @@ def run_train(
     out: str | os.PathLike[str] | None = None,
     callbacks: Sequence[Any] = (),
 ) -> TrainResult:
-    """:func:`train_step` with everything a caller may want to report."""
+    """:func:`train_step` with everything a caller may want to report.
+
+    Under ``accelerate launch`` every process runs this: each trains its share of every micro-batch
+    (:mod:`legorl.training.trainer`) and only the main process writes the checkpoint and the metrics."""
     config = config or TrainConfig()
+    processes = _processes(config)
     run = RunDir.at(run_dir)
     checkpoints = Checkpoints(Path(out) if out is not None else run.checkpoints)
     data = load_step(run, step, config.reasons)
@@ -127,9 +135,12 @@ def run_train(
         if not resume:
             raise LegorlError(f"{final} exists: step {data.step} is trained already (--resume skips it, --out trains elsewhere)")
         info = json.loads((final / INFO_FILE).read_text()) if (final / INFO_FILE).exists() else {}
-        publish_metrics(final, run.metrics, data.step)  # a kill between the commit and the publish
+        if processes.is_main_process:
+            publish_metrics(final, run.metrics, data.step)  # a kill between the commit and the publish
+        processes.wait_for_everyone()
         return TrainResult(data.step, final, info.get("updates", 0), len(data.trials), len(data.sequences),
-                           dict(data.dropped), info.get("metrics", {}), info.get("started_from", ""), already_done=True)
+                           dict(data.dropped), info.get("metrics", {}), info.get("started_from", ""), already_done=True,
+                           skipped=info.get("skipped"))
 
     sampling = step_sampling(data, config.temperature)  # refuses what the trainer cannot score exactly
     init_from, carry, resume_ckpt = Path(model_dir), None, None
@@ -144,15 +155,26 @@ def run_train(
         init_from, carry = latest, latest
     if not (init_from / "config.json").exists():
         raise LegorlError(f"{init_from}: not a model folder (no config.json)")
-    if resume_ckpt is None and partial.exists():
-        shutil.rmtree(partial)  # a stale, unfinished attempt that is not being resumed
-    partial.mkdir(parents=True, exist_ok=True)
-    (partial / Checkpoints.INIT_FILE).write_text(
-        json.dumps({"init_from": str(init_from), "carry": str(carry) if carry else None})
-    )
 
     recorder = prepare(data, config)
     batches = make_batches(data, config.groups_per_batch, seed=config.seed + data.step)
+    if config.skip_zero_advantage:
+        batches = [b for b in batches if any(data.sequences[i].advantage != 0.0 for i in b)]
+        skipped = {t.trial_id for t in data.trials if t.advantage == 0.0}
+        recorder.add(mk.TRIALS_SKIPPED, float(len(skipped)))
+    if not batches:
+        return _commit_skipped(run, checkpoints, data, init_from, config, sampling, recorder, processes)
+    recorder.add(mk.SKIPPED, 0.0)
+
+    processes.wait_for_everyone()  # every process has read the partial saves before the main one changes them
+    if processes.is_main_process:
+        if resume_ckpt is None and partial.exists():
+            shutil.rmtree(partial)  # a stale, unfinished attempt that is not being resumed
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / Checkpoints.INIT_FILE).write_text(
+            json.dumps({"init_from": str(init_from), "carry": str(carry) if carry else None})
+        )
+    processes.wait_for_everyone()
     trainer = _build_trainer(init_from, partial, data, batches, config, carry, list(callbacks), sampling=sampling)
 
     started = time.perf_counter()
@@ -166,36 +188,99 @@ def run_train(
         )
 
     recorder.merge(trainer.recorder)
+    trained, forwarded, padding = trainer.work_counts()
     recorder.update({
-        mk.PERF_TOKENS_PER_S: trainer.trained_tokens / wall if wall > 0 else 0.0,
-        mk.PERF_PADDING_WASTE: trainer.padding_tokens / max(trainer.forward_tokens, 1),
+        mk.PERF_TOKENS_PER_S: trained / wall if wall > 0 else 0.0,
+        mk.PERF_PADDING_WASTE: padding / max(forwarded, 1),
         mk.PERF_WALL_S: wall,
         mk.UPDATES: float(state.global_step),
     })
     started_from = str(resume_ckpt or init_from)
     summary = recorder.summary()
 
-    checkpoints.root.mkdir(parents=True, exist_ok=True)
     tmp = checkpoints.staging(data.step)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    accelerator = trainer.accelerator
+    if accelerator.is_main_process:
+        checkpoints.root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    # Every process calls the savers: under FSDP / DeepSpeed gathering the weights is collective (each
+    # writes only what its rank should).
     trainer.save_model(str(tmp))
     trainer._save_optimizer_and_scheduler(str(tmp))
     trainer._save_rng_state(str(tmp))
-    state.save_to_json(str(tmp / "trainer_state.json"))
-    recorder.write(tmp / Checkpoints.METRICS_DIR, data.step)  # committed with the checkpoint, published after it
-    (tmp / INFO_FILE).write_text(json.dumps({
-        "step": data.step, "run": str(run.root), "started_from": started_from, "updates": state.global_step,
-        "trials": len(data.trials), "sequences": len(data.sequences), "dropped": dict(data.dropped),
-        "config": config.to_dict(), "sampling": sampling.to_dict(), "metrics": summary,
-    }, indent=2, sort_keys=True))
-    os.replace(tmp, final)
-    checkpoints.set_latest(final)
-    publish_metrics(final, run.metrics, data.step)
-    shutil.rmtree(partial, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state.save_to_json(str(tmp / "trainer_state.json"))
+        _commit(checkpoints, tmp, final, data.step, recorder, {
+            "step": data.step, "run": str(run.root), "started_from": started_from, "updates": state.global_step,
+            "trials": len(data.trials), "sequences": len(data.sequences), "dropped": dict(data.dropped),
+            "config": config.to_dict(), "sampling": sampling.to_dict(), "metrics": summary,
+            "processes": accelerator.num_processes,
+        }, run.metrics)
+        shutil.rmtree(partial, ignore_errors=True)
+    accelerator.wait_for_everyone()
     return TrainResult(data.step, final, state.global_step, len(data.trials), len(data.sequences),
                        dict(data.dropped), summary, started_from)
+
+
+def _commit(
+    checkpoints: Checkpoints, tmp: Path, final: Path, step: int, recorder: MetricsRecorder, info: dict[str, Any],
+    metrics: Path,
+) -> None:
+    """Write the step's metrics and info into the staged checkpoint ``tmp``, move it into place as
+    ``final``, point ``latest`` at it and publish the metrics."""
+    recorder.write(tmp / Checkpoints.METRICS_DIR, step)  # committed with the checkpoint, published after it
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+    os.replace(tmp, final)
+    checkpoints.set_latest(final)
+    publish_metrics(final, metrics, step)
+
+
+# What a checkpoint holds about its own step, not copied into a skipped step's checkpoint.
+_OWN_STEP_FILES = (INFO_FILE, Checkpoints.METRICS_DIR, Checkpoints.INIT_FILE, "trainer_state.json")
+
+
+def _commit_skipped(
+    run: RunDir, checkpoints: Checkpoints, data: StepData, init_from: Path, config: TrainConfig,
+    sampling: StepSampling, recorder: MetricsRecorder, processes: Any,
+) -> TrainResult:
+    """A step with nothing to learn from (every trial's advantage is 0): no model is loaded, nothing
+    runs; its checkpoint is the policy it started from, file for file (with its optimizer and LR
+    schedule, for the next step to carry on), and its metrics say it was skipped and why."""
+    reason = mk.SKIP_ZERO_ADVANTAGE
+    log.info("step %d: skipped (%s): all %d trials in %d groups have advantage 0", data.step, reason,
+             len(data.trials), len(data.groups()))
+    recorder.update({mk.SKIPPED: 1.0, mk.SKIPPED_BECAUSE + reason: 1.0, mk.UPDATES: 0.0})
+    summary = recorder.summary()
+    final = checkpoints.step(data.step)
+    if processes.is_main_process:
+        checkpoints.root.mkdir(parents=True, exist_ok=True)
+        tmp = checkpoints.staging(data.step)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        shutil.copytree(init_from, tmp, ignore=lambda folder, names: [
+            n for n in names if os.fspath(folder) == os.fspath(init_from)
+            and (n in _OWN_STEP_FILES or n.startswith("checkpoint-"))])
+        _commit(checkpoints, tmp, final, data.step, recorder, {
+            "step": data.step, "run": str(run.root), "started_from": str(init_from), "updates": 0,
+            "trials": len(data.trials), "sequences": len(data.sequences), "dropped": dict(data.dropped),
+            "config": config.to_dict(), "sampling": sampling.to_dict(), "metrics": summary, "skipped": reason,
+        }, run.metrics)
+        shutil.rmtree(checkpoints.partial(data.step), ignore_errors=True)
+    processes.wait_for_everyone()
+    return TrainResult(data.step, final, 0, len(data.trials), len(data.sequences), dict(data.dropped), summary,
+                       str(init_from), skipped=reason)
+
+
+def _processes(config: TrainConfig) -> Any:
+    """accelerate's view of this run's processes (one, unless under ``accelerate launch``)."""
+    from accelerate import PartialState
+
+    _ = config.device  # TrainingArguments sets the process group up (CPU: gloo) on first use
+    return PartialState()
 
 
 def publish_metrics(checkpoint: Path, metrics: Path, step: int) -> None:

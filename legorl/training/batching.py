@@ -99,67 +99,71 @@ def pad(seqs: Sequence[TrainSequence], pad_id: int) -> Padded:
     )
 
 
-def split(
-    batch: dict[str, object], chunks: int, generator: torch.Generator, *, by_tokens: bool = False,
-    per_row_loss: bool = False,
-) -> list[dict[str, object]]:
-    """Shuffle a batch's trials and cut it into ``chunks`` micro-batches, none dropped, the segments of
-    a trial together (``fork_keys``: they may share a prefix); each keeps only the completion columns
-    some of its rows use.
+@dataclass(frozen=True)
+class BatchTotals:
+    """What a generation batch's loss is normalised by, counted over the whole batch before any trial
+    is skipped (zero advantage) or the batch is shared out between processes, so neither changes it."""
 
-    Pieces hold equal trial counts (differing by at most one), or with ``by_tokens`` balanced token
-    counts (longest trial first onto the lightest piece). TRL's grpo and dr_grpo losses average over
-    a micro-batch's rows, then over the micro-batches, so with ``per_row_loss`` each piece's
-    advantages are scaled by ``rows_k * chunks / rows``: every row weighs ``1 / rows`` whatever the
-    cut (a positive factor: clipping is unchanged). A batch with fewer trials than ``chunks`` gets
-    no-op pieces (one row, nothing sampled), so no micro-batch is trained twice."""
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
-    n = next(iter(tensors.values())).shape[0]
-    keys = batch.get("fork_keys")
-    key_list = keys.tolist() if isinstance(keys, torch.Tensor) else list(range(n))
-    units: dict[int, list[int]] = {}
-    for row, key in enumerate(key_list):
-        units.setdefault(key if key >= 0 else -1 - row, []).append(row)
+    rows: int  # segments: TRL's grpo / dr_grpo average over them
+    trials: int
+    sampled: int  # sampled tokens: dapo's normaliser (TRL's num_items_in_batch)
+
+    @classmethod
+    def of(cls, seqs: Sequence[TrainSequence]) -> BatchTotals:
+        return cls(len(seqs), len({s.trial_id for s in seqs}), sum(s.n_sampled for s in seqs))
+
+
+def micro_batch_plan(
+    seqs: Sequence[TrainSequence], chunks: int, ranks: int, generator: torch.Generator, *,
+    keep_trials_together: bool = True, by_tokens: bool = False,
+) -> list[list[list[int]]]:
+    """``plan[k][r]``: the positions in ``seqs`` that process ``r`` trains in micro-batch ``k``.
+
+    The trials (or, without ``keep_trials_together``, the segments) are shuffled and cut into
+    ``chunks`` micro-batches of equal trial counts (differing by at most one), or with ``by_tokens``
+    balanced token counts (longest first onto the lightest); each micro-batch is then cut the same
+    way into ``ranks`` shares. So micro-batch ``k`` is the same whatever the process count, and the
+    processes' shares of it are disjoint: TRL's per-micro-batch figures, which it reduces across
+    processes, come out as in one process. A micro-batch or share may be empty (fewer trials than
+    pieces); empty micro-batches come first, so the last one, where processes synchronise their
+    gradients, is never empty."""
+    units: dict[object, list[int]] = {}
+    for i, s in enumerate(seqs):
+        units.setdefault(s.trial_id if keep_trials_together else i, []).append(i)
     members = list(units.values())
+    sizes = [sum(len(seqs[i]) for i in rows) for rows in members]
     order = torch.randperm(len(members), generator=generator).tolist()
-    pieces_of_units = _by_tokens(batch, members, order, chunks) if by_tokens else [
-        part.tolist() for part in torch.tensor_split(torch.tensor(order), min(chunks, len(members)))]
-    out = []
-    for units_in_piece in pieces_of_units:
-        part = torch.tensor([row for u in units_in_piece for row in members[u]])
-        piece: dict[str, object] = {}
-        for key, value in batch.items():
-            piece[key] = value[part] if key in tensors else value  # type: ignore[index]
-        if per_row_loss:
-            piece["advantages"] = piece["advantages"] * (len(part) * chunks / n)  # type: ignore[operator]
-        out.append(_trim(piece))
-    while len(out) < chunks:
-        out.append(_no_op(out[0]))
-    return out
+    micro = _cut(order, sizes, chunks, by_tokens)
+    micro.sort(key=lambda m: len(m) > 0)  # stable
+    return [[[i for u in share for i in members[u]] for share in _cut(m, sizes, ranks, by_tokens)] for m in micro]
 
 
-def _by_tokens(batch: dict[str, object], members: list[list[int]], order: list[int], chunks: int) -> list[list[int]]:
-    prompt, mask = batch["prompt_ids"], batch["completion_mask"]
-    assert isinstance(prompt, torch.Tensor) and isinstance(mask, torch.Tensor)
-    lengths = (mask.sum(-1) + prompt.shape[1]).tolist()
-    sizes = [sum(lengths[r] for r in rows) for rows in members]
-    pieces: list[list[int]] = [[] for _ in range(min(chunks, len(members)))]
-    load = [0] * len(pieces)
-    for u in sorted(order, key=lambda u: -sizes[u]):  # stable: ties keep the shuffled order
-        lightest = min(range(len(pieces)), key=lambda p: (load[p], len(pieces[p])))
+def _cut(units: list[int], sizes: list[int], k: int, by_tokens: bool) -> list[list[int]]:
+    if not by_tokens:
+        return [part.tolist() for part in torch.tensor_split(torch.tensor(units, dtype=torch.long), k)]
+    pieces: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for u in sorted(units, key=lambda u: -sizes[u]):  # stable: ties keep the shuffled order
+        lightest = min(range(k), key=lambda p: (load[p], len(pieces[p])))
         pieces[lightest].append(u)
         load[lightest] += sizes[u]
     return pieces
 
 
-def _no_op(piece: dict[str, object]) -> dict[str, object]:
-    """One row of ``piece`` with nothing to learn from: a micro-step that changes no weight."""
-    out = {k: v[:1] if isinstance(v, torch.Tensor) and v.ndim > 0 else v for k, v in piece.items()}
-    for key in ("tool_mask", "advantages"):
-        value = out[key]
-        assert isinstance(value, torch.Tensor)
-        out[key] = torch.zeros_like(value)
-    return out
+def take(batch: dict[str, object], rows: list[int], advantage_factor: float = 1.0) -> dict[str, object]:
+    """Rows ``rows`` of a scored batch, keeping only the completion columns they use.
+
+    TRL's grpo and dr_grpo losses average over a micro-batch's rows, then over the micro-batches
+    (and DDP averages over processes), so a piece of ``n_k`` rows out of a batch of ``n`` cut into
+    ``m`` pieces has its advantages scaled by ``n_k * m / n`` (``advantage_factor``): every row weighs
+    ``1 / n`` whatever the cut (a positive factor: clipping is unchanged)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    piece: dict[str, object] = {}
+    for key, value in batch.items():
+        piece[key] = value[index] if isinstance(value, torch.Tensor) and value.ndim > 0 else value
+    if advantage_factor != 1.0:
+        piece["advantages"] = piece["advantages"] * advantage_factor  # type: ignore[operator]
+    return _trim(piece)
 
 
 def token_micro_batches(data: StepData, batches: list[list[int]], budget: int) -> int:

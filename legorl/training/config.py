@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig
 
+from legorl.errors import ConfigError
 from legorl.training.options import TrainOptions
 
 # TRL / Trainer settings the segment trainer needs; __post_init__ sets them whatever was passed.
@@ -56,6 +57,12 @@ class TrainConfig(TrainOptions, GRPOConfig):  # type: ignore[misc]  # legorl's t
 
     def __post_init__(self) -> None:
         self.validate()
+        if self.beta != 0.0:
+            # TRL's KL term needs ref_per_token_logps, which the segment trainer never computes.
+            raise ConfigError(
+                f"beta = {self.beta}: a KL penalty to a reference model is not supported (legorl's trainer computes "
+                "no reference logprobs); use beta = 0 and bound the update with epsilon / is_cap"
+            )
         for name, value in FIXED_TRL_SETTINGS.items():
             setattr(self, name, value)
         self.gradient_accumulation_steps = self.steps_per_generation = self.micro_batches

@@ -42,8 +42,9 @@ class WeightStats:
 
 def importance_weights(
     old_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, level: str, cap: float
-) -> tuple[torch.Tensor, WeightStats]:
-    """Weights of shape (B, T) (1 where the mask is 0) and their statistics over the sampled tokens."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights of shape (B, T) (1 where the mask is 0), and what :func:`weight_stats` summarises: the
+    weights and the untruncated ratios, one per sampled token (per segment at sequence level)."""
     log_ratio = (old_logps - rollout_logps) * mask
     if level == "token":
         raw = torch.exp(log_ratio)
@@ -59,10 +60,10 @@ def importance_weights(
     else:
         raise ValueError(f"unknown importance sampling level {level!r}")
     weights = torch.where(mask > 0, weights, torch.ones_like(weights))
-    return weights.detach(), _stats(values, raw_values, cap)
+    return weights.detach(), values.detach(), raw_values.detach()
 
 
-def _stats(values: torch.Tensor, raw: torch.Tensor, cap: float) -> WeightStats:
+def weight_stats(values: torch.Tensor, raw: torch.Tensor, cap: float) -> WeightStats:
     if values.numel() == 0:
         return WeightStats(1.0, 1.0, 1.0, 0.0, 1.0)
     v = values.double()

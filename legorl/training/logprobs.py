@@ -45,19 +45,34 @@ def _head_scaling(model: Any) -> tuple[float | None, float]:
 def sampled_logps(
     model: Any, packed: Packed, completion_ids: torch.Tensor, score_mask: torch.Tensor, *, temperature: float,
     compute_entropy: bool, compute_aux_loss: bool = False, cast_lm_head_to_fp32: bool = False,
-    token_chunk: int = TOKEN_CHUNK,
+    token_chunk: int = TOKEN_CHUNK, forward_through: torch.nn.Module | None = None,
 ) -> Scored:
     """Logprobs of ``completion_ids`` (B, C) at the positions ``score_mask`` (B, C) marks, from one
     forward of ``packed`` (the batch ``prompt + completion`` of width W = P + C, packed). Call it
     inside :func:`~legorl.training.attention.packed_attention` (held through the backward pass
-    when activations are recomputed)."""
+    when activations are recomputed).
+
+    The forward runs through ``forward_through`` (default ``model``): in a training forward under
+    ``accelerate launch`` that must be the DDP wrapper of ``model``, whose forward arms the gradient
+    all-reduce (a forward that bypasses it leaves each process with its own gradients, silently).
+    It is the model's own causal-LM forward with no position kept for its LM head; the hidden states
+    are taken from its backbone on the way."""
     text_config = model.config.get_text_config()
     if text_config._attn_implementation != ATTENTION:
         raise LegorlError("sampled_logps runs the packed row: call it inside attention.packed_attention(model)")
     kwargs: dict[str, Any] = {"legorl_documents": packed.documents, "use_cache": False}
     if compute_aux_loss:
         kwargs["output_router_logits"] = True
-    out = model.base_model(input_ids=packed.input_ids, position_ids=packed.position_ids, **kwargs)
+    backbone: list[Any] = []
+    hook = model.base_model.register_forward_hook(lambda module, args, output: backbone.append(output))
+    try:
+        (forward_through or model)(
+            input_ids=packed.input_ids, position_ids=packed.position_ids,
+            logits_to_keep=torch.zeros(0, dtype=torch.long, device=packed.input_ids.device), **kwargs,
+        )
+    finally:
+        hook.remove()
+    out = backbone[-1]
     hidden = out.last_hidden_state[0]  # (L, H)
 
     width = packed.source.shape[1]
@@ -85,8 +100,11 @@ def sampled_logps(
             logps.append(lp)
             entropies.append(ent)
     mask = score_mask.bool()
-    # masked_scatter keeps the graph connected (a differentiable 0) even when nothing is scored.
+    # masked_scatter keeps the graph connected (a differentiable 0) even when nothing is scored; the
+    # head's weight is joined too, so every parameter gets a (zero) gradient, as DDP requires.
     full = hidden.new_zeros(mask.shape, dtype=torch.float32)
+    if not logps:
+        full = full + 0.0 * weight.sum()
     per_token = full.masked_scatter(mask, torch.cat(logps) if logps else full[:0, 0])
     entropy = None
     if compute_entropy:

@@ -76,6 +76,11 @@ class TrainOptions:
     logprob_max_tokens: int = field(default=16384, metadata={"help": (
         "With padding_free: tokens per no-grad forward when recomputing old logprobs (whole segments; one "
         "longer than this is a forward of its own).")})
+    skip_zero_advantage: bool = field(default=True, metadata={"help": (
+        "Do no work on trials whose advantage is 0 (every trial of a group that scored the same): they are "
+        "neither scored nor trained, a micro-batch or generation batch of them only does not run, and a step "
+        "with no other trial makes no update (its metrics say skipped, and why). The loss normalisers still "
+        "count them, so the update equals the one computed with them (legorl.training.batching).")})
 
     # ------------------------------------------------------------------ TRL's, with legorl's default or meaning
 
@@ -165,4 +170,5 @@ TRAIN_CLI_FIELDS: tuple[str, ...] = (
     "loss", "importance_sampling", "is_cap", "learning_rate", "num_iterations", "micro_batches",
     "groups_per_batch", "scale_rewards", "trial_weighting", "routing_replay", "report_to", "temperature",
     "seed", "bf16", "gradient_checkpointing", "padding_free", "share_prefixes", "max_tokens_per_micro_batch",
+    "skip_zero_advantage",
 )

@@ -40,10 +40,11 @@ from legorl import metric_keys as mk
 from legorl.errors import LegorlError
 from legorl.routing import capture_routing, replay_routing, routing_shape
 from legorl.training.attention import packed_attention
-from legorl.training.batching import GroupBatchSampler, pad, split
+from legorl.training.batching import BatchTotals, GroupBatchSampler, micro_batch_plan, pad, take
 from legorl.training.config import TrainConfig
-from legorl.training.data import StepData
-from legorl.training.importance import importance_weights
+from legorl.training.data import StepData, TrainSequence
+from legorl.training.distributed import gather_cat, sum_across
+from legorl.training.importance import importance_weights, weight_stats
 from legorl.training.logprobs import sampled_logps
 from legorl.training.metrics import MetricsRecorder, fidelity, harness_split
 from legorl.training.packing import MIN_SHARED_PREFIX, Packed, pack, token_chunks
@@ -51,6 +52,9 @@ from legorl.training.packing import MIN_SHARED_PREFIX, Packed, pack, token_chunk
 # Keys of TRL/Trainer logs not worth a metrics row (run summaries, bookkeeping).
 _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second",
                   "train_loss", "num_tokens", "step_time")
+
+# Marks a micro-batch that no process trains in: it does not run (SegmentGRPOTrainer.training_step).
+_NO_WORK = "legorl_no_work"
 
 
 def stored_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) -> list[float | None]:
@@ -97,6 +101,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
         self.padding_tokens = 0  # of which padding
         self._scoring: _Scoring | None = None
         self._held: ExitStack | None = None  # contexts that must outlive the forward (recompute in backward)
+        self._generated_at: int | None = None  # the micro-step whose generation batch is buffered
         self._own_keys: set[str] = set()
         dataset = Dataset.from_dict({"seq": list(range(len(data.sequences)))})
         super().__init__(
@@ -123,26 +128,24 @@ class SegmentGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ data: whole groups, no generation
 
     def get_train_dataloader(self) -> DataLoader:
+        """Every process iterates the same generation batches (whole groups): each then trains its own
+        share of every micro-batch (:meth:`_micro_batches`). Not ``accelerator.prepare``d, which would
+        hand different batches (other groups, other normalisers) to different processes."""
         sampler = GroupBatchSampler(self.batches, repeat=self.num_iterations * self.steps_per_generation)
         dataset: Any = self.train_dataset
-        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=identity, num_workers=0)
-        return self.accelerator.prepare(loader)
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=identity, num_workers=0)
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
-        """TRL's buffering (one scored batch reused for ``num_iterations`` updates), with a split that
-        keeps every row even when the batch size is not a multiple of the micro-batch count."""
+        """TRL's buffering (one scored batch reused for ``num_iterations`` updates), cut into this
+        process's micro-batches. Idempotent within a micro-step (:meth:`training_step` looks first)."""
         model: Any = self.model
         if not model.training:
             raise LegorlError("SegmentGRPOTrainer trains only; evaluate with `legorl eval`")
         generate_every = self.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            scored = self._generate_and_score_completions(generation_batch)
-            # Seeded by the update count, so a resumed run cuts the same micro-batches.
-            generator = torch.Generator().manual_seed(self.train_config.seed * 1_000_003 + self.state.global_step)
-            cfg = self.train_config
-            self._buffered_inputs = split(scored, self.steps_per_generation, generator,
-                                          by_tokens=cfg.max_tokens_per_micro_batch is not None,
-                                          per_row_loss=cfg.trl_loss_type in ("grpo", "dr_grpo"))
+        due = self._step % generate_every == 0 and self._generated_at != self._step
+        if due or self._buffered_inputs is None:
+            self._buffered_inputs = self._micro_batches([int(row["seq"]) for row in generation_batch])
+            self._generated_at = self._step
         inputs: dict[str, Any] = self._buffered_inputs[self._step % len(self._buffered_inputs)]
         return inputs
 
@@ -152,61 +155,136 @@ class SegmentGRPOTrainer(GRPOTrainer):
         assert steps is not None  # GRPOConfig.__post_init__ derives it
         return steps
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        device = self.accelerator.device
-        seqs = [self.step_data.sequences[int(row["seq"])] for row in inputs]
-        padded = pad(seqs, self.pad_id)
-        input_ids = padded.input_ids.to(device)
-        attention_mask = padded.attention_mask.to(device)
-        logits_to_keep = padded.completion_ids.shape[1]
-        routing = padded.routing.to(device) if padded.routing is not None and self.uses_routing else None
+    def _micro_batches(self, rows: list[int]) -> list[dict[str, Any]]:
+        """This process's ``steps_per_generation`` micro-batches of the generation batch ``rows``.
 
-        model: Any = self.model
-        checkpointing_kwargs: Any = self.args.gradient_checkpointing_kwargs
-        mask = padded.loss_mask.to(device)
-        fork_keys = self._fork_keys(seqs).to(device)
-        with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
-            old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing,
-                                          padded.completion_mask.to(device) * mask, fork_keys)
-
-        rollout_logps = padded.rollout_logps.to(device)
+        The normalisers are counted over the whole batch (:class:`BatchTotals`); then trials whose
+        advantage is 0 are left out (``skip_zero_advantage``: they add nothing to the loss but its
+        denominators), the rest is cut by :func:`micro_batch_plan` and only this process's rows are
+        scored. A share left empty is a no-op micro-batch; one empty on every process does not run."""
         cfg = self.train_config
-        weights, weight_stats = importance_weights(old_logps, rollout_logps, mask, cfg.importance_sampling, cfg.is_cap)
-        trial_advantage = torch.tensor([s.advantage * s.scale for s in seqs], dtype=torch.float32, device=device)
-        if cfg.trl_loss_type == "grpo":
-            # TRL averages over sequences; a trial's segments were scaled to sum to one sequence, so
-            # averaging over trials instead is a factor sequences / trials (1 without forks).
-            trial_advantage *= len(seqs) / len({s.trial_id for s in seqs})
-        advantages = trial_advantage[:, None] * weights
+        seqs = [self.step_data.sequences[i] for i in rows]
+        totals = BatchTotals.of(seqs)
+        if cfg.skip_zero_advantage:
+            seqs = [s for s in seqs if s.advantage != 0.0]
+        if not seqs:
+            raise LegorlError("a generation batch with nothing to train on reached the trainer (the stage drops those)")
+        # Seeded by the update count, so a resumed run cuts the same micro-batches.
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step)
+        chunks, ranks = self.steps_per_generation, self.accelerator.num_processes
+        plan = micro_batch_plan(seqs, chunks, ranks, generator, keep_trials_together=cfg.share_prefixes,
+                                by_tokens=cfg.max_tokens_per_micro_batch is not None)
+        shares = [micro[self.accelerator.process_index] for micro in plan]
+        scored = self._score([seqs[i] for share in shares for i in share], totals, seqs)
+        per_row_loss = cfg.trl_loss_type in ("grpo", "dr_grpo")
+        pieces, start = [], 0
+        for micro, share in zip(plan, shares, strict=True):
+            if not share:
+                pieces.append(self._no_op(seqs[0], totals, run=any(micro)))
+                continue
+            factor = len(share) * chunks * ranks / totals.rows if per_row_loss else 1.0
+            pieces.append(take(scored, list(range(start, start + len(share))), factor))
+            start += len(share)
+        return pieces
 
-        self._record(fidelity(old_logps, rollout_logps, mask))
-        self._record(weight_stats.as_dict())
-        for harness in harness_split(s.harness for s in seqs):
-            rows = torch.tensor([s.harness == harness for s in seqs], device=device)
-            self._record(fidelity(old_logps[rows], rollout_logps[rows], mask[rows]), harness)
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's hook, for one process: the whole batch ``inputs`` scored as one micro-batch."""
+        seqs = [self.step_data.sequences[int(row["seq"])] for row in inputs]
+        return self._score(seqs, BatchTotals.of(seqs), seqs)
+
+    def _score(self, seqs: list[TrainSequence], totals: BatchTotals, batch: list[TrainSequence]) -> dict[str, Any]:
+        """``seqs`` (this process's rows) padded, their old logprobs recomputed (routing replayed for
+        MoE), the importance weights and trial weighting folded into per-token advantages; the health
+        figures recorded over ``batch``, every process's rows (gathered)."""
+        device = self.accelerator.device
+        cfg = self.train_config
+        harnesses = harness_split(s.harness for s in batch)
+        output: dict[str, Any] = {}
+        watch = RoutingWatch()
+        values = {name: torch.zeros(0, device=device) for name in ("old", "rollout", "harness", "weight", "raw")}
+        if seqs:
+            padded = pad(seqs, self.pad_id)
+            input_ids = padded.input_ids.to(device)
+            attention_mask = padded.attention_mask.to(device)
+            logits_to_keep = padded.completion_ids.shape[1]
+            routing = padded.routing.to(device) if padded.routing is not None and self.uses_routing else None
+            model: Any = self.model
+            checkpointing_kwargs: Any = self.args.gradient_checkpointing_kwargs
+            mask = padded.loss_mask.to(device)
+            fork_keys = self._fork_keys(seqs).to(device)
+            with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
+                old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing,
+                                              padded.completion_mask.to(device) * mask, fork_keys)
+
+            rollout_logps = padded.rollout_logps.to(device)
+            weights, values["weight"], values["raw"] = importance_weights(
+                old_logps, rollout_logps, mask, cfg.importance_sampling, cfg.is_cap)
+            trial_advantage = torch.tensor([s.advantage * s.scale for s in seqs], dtype=torch.float32, device=device)
+            if cfg.trl_loss_type == "grpo":
+                # TRL averages over sequences; a trial's segments were scaled to sum to one sequence, so
+                # averaging over trials instead is a factor sequences / trials (1 without forks).
+                trial_advantage *= totals.rows / totals.trials
+            sampled = mask > 0
+            values["old"], values["rollout"] = old_logps[sampled], rollout_logps[sampled]
+            harness_of = [float(harnesses.index(s.harness)) if harnesses else 0.0 for s in seqs]
+            values["harness"] = torch.tensor(harness_of, device=device)[:, None].expand_as(mask)[sampled]
+            output = {
+                "prompt_ids": padded.prompt_ids.to(device),
+                "prompt_mask": torch.ones_like(padded.prompt_ids).to(device),
+                "completion_ids": padded.completion_ids.to(device),
+                "completion_mask": padded.completion_mask.to(device),
+                "tool_mask": mask,
+                "advantages": trial_advantage[:, None] * weights,
+                "old_per_token_logps": old_logps,
+                "num_items_in_batch": torch.tensor(float(totals.sampled), device=device),
+                "fork_keys": fork_keys,
+            }
+            if routing is not None and self.replay:
+                output["routed_experts"] = routing
+        self._record_health(values, harnesses, watch, batch)
+        return output
+
+    def _record_health(
+        self, local: dict[str, torch.Tensor], harnesses: list[str], watch: RoutingWatch, batch: list[TrainSequence]
+    ) -> None:
+        """The fidelity, importance-weight and routing figures of the whole batch (every process's rows)."""
+        cfg = self.train_config
+        gathered = {name: gather_cat(self.accelerator, value) for name, value in local.items()}
+        old, rollout = gathered["old"], gathered["rollout"]
+        everywhere = torch.ones_like(old)
+        self._record(fidelity(old, rollout, everywhere))
+        self._record(weight_stats(gathered["weight"], gathered["raw"], cfg.is_cap).as_dict())
+        for index, harness in enumerate(harnesses):
+            rows = gathered["harness"] == index
+            self._record(fidelity(old[rows], rollout[rows], everywhere[rows]), harness)
         if self.uses_routing:
+            flips, decisions = sum_across(self.accelerator, [float(watch.flips), float(watch.decisions)])
             self._record({
                 mk.ROUTING_REPLAY: float(self.replay),
-                mk.ROUTING_NATURAL_FLIP_RATE: watch.flips / max(watch.decisions, 1),
-                mk.ROUTING_EFFECTIVE_FLIP_RATE: 0.0 if self.replay else watch.flips / max(watch.decisions, 1),
+                mk.ROUTING_NATURAL_FLIP_RATE: flips / max(decisions, 1.0),
+                mk.ROUTING_EFFECTIVE_FLIP_RATE: 0.0 if self.replay else flips / max(decisions, 1.0),
             })
-        padding = 0.0 if cfg.padding_free else 1.0 - attention_mask.sum().item() / attention_mask.numel()
-        self._record({mk.BATCH_SEQUENCES: float(len(seqs)), mk.BATCH_PADDING_SHARE: padding})
+        lengths = [len(s) for s in batch]
+        padding = 0.0 if cfg.padding_free else 1.0 - sum(lengths) / (len(lengths) * max(lengths))
+        self._record({mk.BATCH_SEQUENCES: float(len(batch)), mk.BATCH_PADDING_SHARE: padding})
 
-        output: dict[str, Any] = {
-            "prompt_ids": padded.prompt_ids.to(device),
-            "prompt_mask": torch.ones_like(padded.prompt_ids).to(device),
-            "completion_ids": padded.completion_ids.to(device),
-            "completion_mask": padded.completion_mask.to(device),
-            "tool_mask": mask,
-            "advantages": advantages,
-            "old_per_token_logps": old_logps,
-            "num_items_in_batch": mask.sum(),
-            "fork_keys": fork_keys,
+    def _no_op(self, seq: TrainSequence, totals: BatchTotals, *, run: bool) -> dict[str, Any]:
+        """A micro-batch that changes no weight: two tokens of ``seq``, none of them trained. ``run``:
+        another process trains in this micro-step, so this one must run it too (DDP's collectives);
+        otherwise it does not run at all (:meth:`training_step`)."""
+        device = self.accelerator.device
+        ids = torch.from_numpy(seq.token_ids[:2]).to(device)[None]
+        ones = torch.ones((1, 1), dtype=torch.long, device=device)
+        zeros = torch.zeros((1, 1), dtype=torch.float32, device=device)
+        out: dict[str, Any] = {
+            "prompt_ids": ids[:, :1], "prompt_mask": ones, "completion_ids": ids[:, 1:], "completion_mask": ones,
+            "tool_mask": zeros, "advantages": zeros, "old_per_token_logps": zeros,
+            "num_items_in_batch": torch.tensor(float(totals.sampled), device=device),
+            "fork_keys": torch.full((1,), -1, dtype=torch.long, device=device), _NO_WORK: not run,
         }
-        if routing is not None and self.replay:
-            output["routed_experts"] = routing
-        return output
+        if self.replay and seq.routed_experts is not None:
+            out["routed_experts"] = torch.from_numpy(seq.routed_experts[:2].astype("int64")).to(device)[None]
+        return out
 
     def _fork_keys(self, seqs: list[Any]) -> torch.Tensor:
         """One key per row: rows of one trial may share a prefix (-1 for every row: none shares)."""
@@ -278,6 +356,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 self.accelerator.unwrap_model(model), scoring.packed, input_ids[:, -logits_to_keep:],
                 scoring.score_mask, temperature=self.temperature, compute_entropy=compute_entropy,
                 compute_aux_loss=compute_aux_loss, cast_lm_head_to_fp32=self.train_config.cast_lm_head_to_fp32,
+                forward_through=model,  # the DDP wrapper under accelerate launch: it syncs the gradients
             )
         return scored.logps, scored.entropies, scored.aux_loss
 
@@ -310,7 +389,12 @@ class SegmentGRPOTrainer(GRPOTrainer):
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """TRL's, with the routing replay and packed attention held open through the backward pass
-        (gradient checkpointing re-runs the forward there)."""
+        (gradient checkpointing re-runs the forward there); a micro-batch no process trains in does
+        no forward and no backward (never the last of an update, where DDP synchronises)."""
+        model.train()  # what Trainer.training_step does first; the look ahead needs it too
+        if self._prepare_inputs(inputs).get(_NO_WORK):
+            self._step += 1  # TRL's micro-step count, as its training_step would
+            return torch.zeros((), device=self.accelerator.device)
         with ExitStack() as held:
             self._held = held
             try:
@@ -347,6 +431,12 @@ class SegmentGRPOTrainer(GRPOTrainer):
         return loss
 
     # ------------------------------------------------------------------ metrics and state
+
+    def work_counts(self) -> tuple[int, int, int]:
+        """Trained, forwarded and padding tokens so far, summed over the processes."""
+        counts = sum_across(self.accelerator, [float(self.trained_tokens), float(self.forward_tokens),
+                                               float(self.padding_tokens)])
+        return int(counts[0]), int(counts[1]), int(counts[2])
 
     def _record(self, values: dict[str, float], harness: str | None = None) -> None:
         for key, value in values.items():
