@@ -57,7 +57,8 @@ class DemoConfig:
     warmup_steps: int = 150  # format warm-up (SFT) steps
     warmup_tasks: int = 2000
     warmup_lr: float = 3e-3
-    warmup_wrong: float = 0.65  # share of warm-up demonstrations that write the wrong operator
+    warmup_confused: int = 3  # (kind, operator) cells the demonstrator mostly gets wrong (chosen by seed)
+    warmup_wrong: float = 0.75  # how often it writes the wrong operator in those cells
     lr: float = 2e-4
     num_iterations: int = 2
     loss: str = "grpo"
@@ -148,7 +149,7 @@ def prepare_model(cfg: DemoConfig) -> Path:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from legorl.cli.common import console
-    from legorl.demo.sft import train_format
+    from legorl.demo.sft import Confusion, train_format
     from legorl.demo.taskgen import generate
     from legorl.models import init_model
 
@@ -172,7 +173,8 @@ def prepare_model(cfg: DemoConfig) -> Path:
 
         # Warm-up tasks come from seed 10_000 + seed: never a training or held-out task.
         stats = train_format(tmp, generate(cfg.warmup_tasks, 10_000 + cfg.seed), steps=cfg.warmup_steps,
-                             lr=cfg.warmup_lr, wrong_fraction=cfg.warmup_wrong, seed=cfg.seed, progress=progress,
+                             lr=cfg.warmup_lr, seed=cfg.seed, progress=progress,
+                             confusion=Confusion.pick(cfg.warmup_confused, cfg.warmup_wrong, cfg.seed),
                              fmt=cfg.agent_format())
     tmp.rename(out)
     log(f"model: built and warmed up in {time.perf_counter() - t0:.0f} s (format loss {stats['last_loss']:.3f})")

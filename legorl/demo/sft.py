@@ -11,9 +11,9 @@ proxy will render at rollout time. Two formats (:class:`AgentFormat`):
   it renders them (Jinja, StrictUndefined), its own ``bash`` tool schema read from the installed
   harness, and one tool call that edits and submits: ``sed ... && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``.
 
-The loss is on the assistant turns only. A share of the demonstrations is deliberately wrong
-(``wrong_fraction``), which sets the solve rate the RL loop starts from (see
-``examples/cpu-demo/README.md``).
+The loss is on the assistant turns only. The demonstrator is deliberately imperfect: a
+``Confusion`` says, per (kind, wanted operator) cell, how often it writes the wrong operator; that
+sets the solve rate the RL loop starts from (see ``examples/cpu-demo/README.md``).
 """
 
 from __future__ import annotations
@@ -132,12 +132,39 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Sequence[dict[
     return Example(list(ids), mask)
 
 
-def examples(tokenizer: Any, tasks: Sequence[DemoTask], wrong_fraction: float = 0.0, seed: int = 0,
+@dataclass(frozen=True)
+class Confusion:
+    """How often the demonstrator writes the wrong operator: ``rate`` in the ``confused`` cells
+    (``(kind, wanted operator)`` pairs, e.g. ``("flip", "+")``), never elsewhere. A crisp lookup with
+    a few cells mostly reversed is what a short warm-up learns reliably (a uniform error rate over
+    every cell leaves only a weak word-operator correlation, measured: choices near 50/50)."""
+
+    confused: frozenset[tuple[str, str]] = frozenset()
+    rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rate <= 1.0:
+            raise ConfigError(f"the demonstrator's wrong rate must be in [0, 1], got {self.rate}")
+
+    def wrong_rate(self, task: DemoTask) -> float:
+        return self.rate if (task.kind, task.right) in self.confused else 0.0
+
+    @classmethod
+    def pick(cls, cells: int, rate: float, seed: int) -> Confusion:
+        """``cells`` of the four (kind, operator) cells, chosen by ``seed``."""
+        from legorl.demo.taskgen import CELLS
+
+        if not 0 <= cells <= len(CELLS):
+            raise ConfigError(f"confused cells must be between 0 and {len(CELLS)}, got {cells}")
+        return cls(frozenset(random.Random(seed).sample(CELLS, cells)), rate)
+
+
+def examples(tokenizer: Any, tasks: Sequence[DemoTask], confusion: Confusion = Confusion(), seed: int = 0,
              fmt: AgentFormat = SIMPLE) -> list[Example]:
-    """One example per task; a ``wrong_fraction`` of them demonstrate the edit in the wrong direction."""
+    """One example per task; ``confusion`` says which demonstrate the edit in the wrong direction."""
     rng = random.Random(seed)
-    return [render(tokenizer, fmt.conversation(t, t.reversed_command if rng.random() < wrong_fraction else None),
-                   fmt.tools) for t in tasks]
+    return [render(tokenizer, fmt.conversation(t, t.reversed_command if rng.random() < confusion.wrong_rate(t)
+                                                else None), fmt.tools) for t in tasks]
 
 
 def train_format(
@@ -147,16 +174,16 @@ def train_format(
     steps: int = 150,
     batch_size: int = 16,
     lr: float = 2e-3,
-    wrong_fraction: float = 0.0,
+    confusion: Confusion = Confusion(),
     seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
     fmt: AgentFormat = SIMPLE,
 ) -> dict[str, float]:
     """Supervised training on ``fmt``'s conversation for ``tasks``; saves the model in place.
 
-    ``wrong_fraction`` of the demonstrations reverse the edit (an imperfect demonstrator): the model
-    learns the format and the lookup from words to operators, but also to pick the wrong direction
-    that often — only the hidden tests' rewards say which direction is right.
+    ``confusion`` makes the demonstrator imperfect: the model learns the format and the lookup from
+    words to operators, mostly reversed in the confused cells — only the hidden tests' rewards say
+    which operator is right.
 
     Returns ``{"first_loss", "last_loss", "seconds", "steps", "examples"}``.
     """
@@ -171,7 +198,7 @@ def train_format(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    data = examples(tokenizer, tasks, wrong_fraction, seed, fmt)
+    data = examples(tokenizer, tasks, confusion, seed, fmt)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pad = int(tokenizer.pad_token_id)
@@ -184,7 +211,8 @@ def train_format(
     info_path = model_dir / "legorl_model.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     info["demo_sft"] = {"harness": fmt.harness, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "examples": len(data),
-                        "wrong_fraction": wrong_fraction, "last_loss": last}
+                        "confused": sorted(map(list, confusion.confused)), "wrong_rate": confusion.rate,
+                        "last_loss": last}
     info_path.write_text(json.dumps(info))
     return {"first_loss": first, "last_loss": last, "seconds": seconds, "steps": steps, "examples": len(data)}
 

@@ -31,6 +31,8 @@ from pathlib import Path
 from legorl.errors import LegorlError
 
 KINDS = ("flip", "compare")
+# The (kind, wanted operator) cells a task set cycles through.
+CELLS = (("flip", "+"), ("flip", "-"), ("compare", "<"), ("compare", ">"))
 _MODULES = {"flip": "calc", "compare": "checks"}
 _FUNCS = ("total", "combine", "merge", "join", "mix", "blend", "pair", "fold")
 _WORDS = {"+": "add", "-": "subtract", "<": "less than", ">": "greater than"}
