@@ -45,6 +45,10 @@ CALL_TYPE = pa.struct(
         pa.field("temperature", pa.float64()),
         pa.field("top_p", pa.float64()),
         pa.field("top_k", pa.int64()),
+        # The policy version whose weights sampled the call (legorl.provenance): 0 = the initial model, +1
+        # per weight load; null for a budget stop, behind an engine whose loads legorl does not see, and in
+        # shards written before it was recorded (unknown).
+        pa.field("policy_version", pa.int64()),
     ]
 )
 

@@ -211,6 +211,7 @@ class Call(_Row):
     temperature: float | None = None  # sampling that shaped the call's distribution (see CALL_TYPE)
     top_p: float | None = None
     top_k: int | None = None
+    policy_version: int | None = None  # the weights that sampled the call (see CALL_TYPE, legorl.provenance)
 
 
 @dataclass(slots=True)

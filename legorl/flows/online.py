@@ -4,32 +4,51 @@ Exactly what a Makefile loop over ``legorl rollout / grade / train`` does, but w
 in memory that loads each new checkpoint instead of restarting. Every step's shards stay in the
 run directory with their ``step``.
 
-It is synchronous: the trials of step S are sampled by the policy trained on steps < S, and
-training step S uses only them, so the rollout policy is never stale. Rerunning resumes: each
-stage skips what it already wrote, training continues an interrupted step, and the engine starts
-from the latest checkpoint.
+``max_staleness`` K = 0 (the default) is synchronous: the trials of step S are sampled by the
+policy trained on steps < S, and training step S uses only them, so the rollout policy is never
+stale. K >= 1 overlaps the two: a background thread rolls out and grades steps S+1 … S+K (through
+the same stages and shards) while step S trains, and the engine loads each checkpoint as soon as
+it exists, between calls, so a trial in flight may span two versions. Step T's rollout starts once
+the engine serves version T - K, so every call of it is at most K versions behind the step that
+trains it; the trainer is held to that bound anyway (:mod:`legorl.provenance`; ``stale_tokens``
+says what a stale trial gets) and the loop writes each step's staleness figures to
+``RUN/train/metrics`` (stage ``loop``).
+
+Policy versions (:mod:`legorl.engines.watched`) follow the checkpoints: the initial model is
+version 0 and checkpoint ``step-S`` version S + 1, so a resumed loop keeps numbering where the
+killed one was. Rerunning resumes: each stage skips what it already wrote, training continues an
+interrupted step, and the engine starts from the latest checkpoint.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import pyarrow.compute as pc
+
+from legorl import provenance, shards
 from legorl.errors import LegorlError
-from legorl.flows.policy import PolicySpec, open_policy
+from legorl.flows.policy import Policy, PolicySpec, open_policy
 from legorl.grading.grader import GradeOptions
 from legorl.paths import Checkpoints, RunDir
+from legorl.provenance import Staleness, StaleTokens
+from legorl.schemas import Kind, MetricRow
 from legorl.stages.grade import grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 if TYPE_CHECKING:
+    from legorl.stages.train import TrainResult
     from legorl.training.config import TrainConfig
 
-# Wraps one phase ("rollout", "grade", "train") of one step: a caller's status line, say.
+# Wraps one phase ("rollout", "grade", "train") of one step: a caller's status line, say. With
+# max_staleness >= 1 only the loop's own thread calls it: "rollout" is then the wait for the step's
+# rollouts and grades (done in the background), and there is no "grade" phase of its own.
 Phase = Callable[[int, str], AbstractContextManager[object]]
 
 
@@ -42,15 +61,33 @@ class OnlineConfig:
     model: Path = field(metadata={"help": (
         "Initial policy (Hugging Face folder): the trainer's base model and the proxy's tokenizer.")})
     steps: int = field(default=4, metadata={"help": "Policy steps to run (counting from step 0)."})
+    max_staleness: int = field(default=0, metadata={"help": (
+        "Versions a trial's calls may lag behind the step that trains it. 0: synchronous (rollout, grade, "
+        "train, reload, in turn). K >= 1: steps S+1..S+K roll out and grade while step S trains, and the "
+        "engine loads each checkpoint as soon as it exists (between calls).")})
+    stale_tokens: StaleTokens = field(default="drop_trial", metadata={"help": (
+        "What a trial with calls older than --max-staleness gets: drop_trial (left out of training, kept "
+        "in the shards and counted in the metrics) or mask (trained, its stale tokens without loss).")})
     grade: GradeOptions = field(default_factory=GradeOptions)  # how each step's trials are graded
     policy_temperature: float | None = None  # the proxy samples every call at it (None: as the harness asks)
     engine_name: str | None = None  # the model name the proxy answers with
     max_context: int | None = None
 
+    def __post_init__(self) -> None:
+        Staleness(self.max_staleness, self.stale_tokens)  # refuses a bad K or mode now, not after a step
+
+    @property
+    def staleness(self) -> Staleness:
+        return Staleness(self.max_staleness, self.stale_tokens)
+
 
 @dataclass
 class OnlineStep:
-    """What one step did: new rows, the checkpoint, the trainer's metrics, where the time went."""
+    """What one step did: new rows, the checkpoint, the trainer's metrics, where the time went.
+
+    With ``max_staleness`` >= 1, ``rollout_s`` and ``grade_s`` ran in the background (overlapping the
+    previous step's training); ``wait_s`` is how long training waited for them, and ``wall_s`` the
+    loop's own time for the step (from the previous step's end)."""
 
     step: int
     new_trials: int
@@ -61,13 +98,20 @@ class OnlineStep:
     grade_s: float = 0.0
     train_s: float = 0.0
     reload_s: float = 0.0
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    staleness: dict[str, float] = field(default_factory=dict)  # provenance.staleness_metrics of the step
+
+
+def initial_version(run: RunDir) -> int:
+    """The policy version the loop starts from: the latest checkpoint ``step-S`` is S + 1, none is 0."""
+    latest = Checkpoints(run.checkpoints).latest()
+    return 0 if latest is None else int(latest.name.removeprefix("step-")) + 1
 
 
 def run_online(cfg: OnlineConfig, *, phase: Phase | None = None,
                on_step: Callable[[OnlineStep], None] | None = None) -> list[OnlineStep]:
     """Run steps ``0 … cfg.steps - 1`` (those already done are skipped by the stages themselves)."""
-    from legorl.stages.train import run_train  # imports TRL: only when the loop runs
-
     if cfg.steps < 1:
         raise LegorlError("--steps must be at least 1")
     run = RunDir.at(cfg.rollout.run)
@@ -78,28 +122,198 @@ def run_online(cfg: OnlineConfig, *, phase: Phase | None = None,
     policy = PolicySpec(model=Checkpoints(run.checkpoints).latest() or cfg.model, tokenizer=cfg.model,
                         temperature=cfg.policy_temperature, engine_name=cfg.engine_name,
                         max_context=cfg.max_context)
-    records: list[OnlineStep] = []
     with open_policy(policy) as served:
+        assert served.engine is not None  # a model served here, never an external proxy
+        served.engine.policy_version = initial_version(run)  # before any call
+        if cfg.max_staleness == 0:
+            return _synchronous(cfg, run, served, during, on_step)
+        return _overlapped(cfg, run, served, during, on_step)
+
+
+def _synchronous(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
+                 on_step: Callable[[OnlineStep], None] | None) -> list[OnlineStep]:
+    records: list[OnlineStep] = []
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        with during(step, "rollout"):
+            rolled = rollout_stage(replace(cfg.rollout, step=step), served.proxy)
+        t1 = time.perf_counter()
+        with during(step, "grade"):
+            graded = _grade(cfg, run, step)
+        t2 = time.perf_counter()
+        with during(step, "train"):
+            result = _train(cfg, run, step)
+        t3 = time.perf_counter()
+        served.reload(result.checkpoint)
+        t4 = time.perf_counter()
+        record = OnlineStep(
+            step=step, new_trials=len(rolled.rows), new_grades=graded,
+            checkpoint=result.checkpoint, metrics=dict(result.metrics),
+            rollout_s=t1 - t0, grade_s=t2 - t1, train_s=t3 - t2, reload_s=t4 - t3, wall_s=t4 - t0,
+        )
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    return records
+
+
+def _grade(cfg: OnlineConfig, run: RunDir, step: int) -> int:
+    jobs, _ = rollout_jobs(run.rollouts)
+    graded = grade_stage(run.tasks, run.grades, [j for j in jobs if j.step == step], cfg.grade,
+                         run_label=run.root.name)
+    return len(graded.rows)
+
+
+def _train(cfg: OnlineConfig, run: RunDir, step: int) -> TrainResult:
+    from legorl.stages.train import run_train  # imports TRL: only when the loop trains
+
+    return run_train(run.root, cfg.model, step, cfg.train, resume=True)
+
+
+@dataclass
+class _Rolled:
+    """One step's background rollout and grading, as the training thread receives it."""
+
+    new_trials: int
+    new_grades: int
+    rollout_s: float
+    grade_s: float
+
+
+class _Ahead:
+    """The background thread that rolls out and grades step T once the engine serves version T - K."""
+
+    def __init__(self, cfg: OnlineConfig, run: RunDir, served: Policy):
+        self.cfg, self.run, self.served = cfg, run, served
+        self.done: dict[int, _Rolled] = {}
+        self.error: BaseException | None = None
+        self.stopping = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name="legorl-rollouts-ahead", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def loaded(self) -> None:
+        """The engine serves a new version: a step waiting for it may start."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait(self, step: int) -> _Rolled:
+        """Block until ``step`` is rolled out and graded (re-raising the thread's failure)."""
+        with self._cv:
+            while step not in self.done and self.error is None:
+                self._cv.wait()
+            if self.error is not None:
+                raise LegorlError(f"the background rollout failed: {type(self.error).__name__}: "
+                                  f"{self.error}") from self.error
+            return self.done[step]
+
+    def stop(self, wait: bool) -> None:
+        with self._cv:
+            self.stopping = True
+            self._cv.notify_all()
+        if wait:
+            self._thread.join()
+
+    def _version(self) -> int:
+        assert self.served.engine is not None
+        return self.served.engine.policy_version
+
+    def _work(self) -> None:
+        try:
+            for step in range(self.cfg.steps):
+                with self._cv:
+                    while self._version() < step - self.cfg.max_staleness and not self.stopping:
+                        self._cv.wait()
+                    if self.stopping:
+                        return
+                t0 = time.perf_counter()
+                rolled = rollout_stage(replace(self.cfg.rollout, step=step), self.served.proxy)
+                t1 = time.perf_counter()
+                graded = _grade(self.cfg, self.run, step)
+                with self._cv:
+                    self.done[step] = _Rolled(rolled, graded, t1 - t0, time.perf_counter() - t1)
+                    self._cv.notify_all()
+        except BaseException as exc:  # handed to the training thread, which reports it
+            with self._cv:
+                self.error = exc
+                self._cv.notify_all()
+
+
+def _overlapped(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
+                on_step: Callable[[OnlineStep], None] | None) -> list[OnlineStep]:
+    ahead = _Ahead(cfg, run, served)
+    ahead.start()
+    records: list[OnlineStep] = []
+    try:
+        last = time.perf_counter()
         for step in range(cfg.steps):
-            t0 = time.perf_counter()
             with during(step, "rollout"):
-                rolled = rollout_stage(replace(cfg.rollout, step=step), served.proxy)
+                rolled = ahead.wait(step)
             t1 = time.perf_counter()
-            with during(step, "grade"):
-                jobs, _ = rollout_jobs(run.rollouts)
-                graded = grade_stage(run.tasks, run.grades, [j for j in jobs if j.step == step], cfg.grade,
-                                     run_label=run.root.name)
-            t2 = time.perf_counter()
+            figures = _held_to_bound(run, step, cfg.staleness)
             with during(step, "train"):
-                result = run_train(run.root, cfg.model, step, cfg.train, resume=True)
-            t3 = time.perf_counter()
+                result = _train(cfg, run, step)
+            t2 = time.perf_counter()
             served.reload(result.checkpoint)
+            ahead.loaded()
+            t3 = time.perf_counter()
+            _write_staleness(run, step, figures)
             record = OnlineStep(
-                step=step, new_trials=len(rolled.rows), new_grades=len(graded.rows),
-                checkpoint=result.checkpoint, metrics=dict(result.metrics),
-                rollout_s=t1 - t0, grade_s=t2 - t1, train_s=t3 - t2, reload_s=time.perf_counter() - t3,
+                step=step, new_trials=rolled.new_trials, new_grades=rolled.new_grades,
+                checkpoint=result.checkpoint, metrics=dict(result.metrics), rollout_s=rolled.rollout_s,
+                grade_s=rolled.grade_s, train_s=t2 - t1, reload_s=t3 - t2, wait_s=t1 - last,
+                wall_s=t3 - last, staleness=figures,
             )
+            last = t3
             records.append(record)
             if on_step is not None:
                 on_step(record)
+    except Exception:
+        ahead.stop(wait=True)  # let the stage in progress commit what it has before the engine closes
+        raise
+    except BaseException:
+        ahead.stop(wait=False)  # interrupted: leave now (a rerun redoes what was in flight)
+        raise
+    ahead.stop(wait=True)
     return records
+
+
+def _held_to_bound(run: RunDir, step: int, bound: Staleness) -> dict[str, float]:
+    """The step's staleness figures; refuses to train a step holding stale trials, since the trainer
+    cannot yet leave them out or mask their tokens (the loop itself never samples one: step T starts
+    once the engine serves version T - K; a run resumed with a smaller K can hold some)."""
+    rows = _step_rows(run, step)
+    figures = provenance.staleness_metrics(rows, step, bound)
+    stale = [r["trial_id"] for r in rows if provenance.is_stale(r, step, bound.max_staleness)]
+    if stale:
+        worst = max(provenance.trial_lag(r, step) or 0 for r in rows)
+        raise LegorlError(
+            f"step {step}: {len(stale)} trial(s) were sampled more than --max-staleness {bound.max_staleness} "
+            f"versions back (first: {stale[0]}; largest lag {worst}), and the trainer cannot leave them out "
+            f"yet; rerun with --max-staleness {worst} to train them as they are")
+    return figures
+
+
+def _step_rows(run: RunDir, step: int) -> list[dict[str, Any]]:
+    """Step ``step``'s trials that training takes (not infrastructure failures), with their calls."""
+    table = shards.read(run.rollouts, Kind.ROLLOUTS,
+                        columns=["step", "infra_failure", "segments", "calls"]).table
+    table = table.filter(pc.and_(pc.equal(table.column("step"), step), pc.invert(table.column("infra_failure"))))
+    return table.to_pylist()
+
+
+def _write_staleness(run: RunDir, step: int, figures: dict[str, float]) -> None:
+    """Add the step's staleness rows to ``RUN/train/metrics`` once (after the trainer's own: it
+    publishes a step only when the step has no rows yet), whatever the kills and reruns."""
+    if shards.part_files(run.metrics):
+        table = shards.read(run.metrics, Kind.METRICS, columns=["step", "stage"]).table
+        if any(s == step and g == provenance.METRICS_STAGE
+               for s, g in zip(table.column("step").to_pylist(), table.column("stage").to_pylist(), strict=True)):
+            return
+    now = time.time()
+    shards.write(run.metrics, Kind.METRICS, [
+        MetricRow(step=step, key=key, value=value, stage=provenance.METRICS_STAGE, time=now)
+        for key, value in figures.items()
+    ])

@@ -20,6 +20,7 @@ import numpy as np
 
 from legorl.engines import PromptTooLong, RequestRejected
 from legorl.engines.base import MIN_TEMPERATURE, Engine, Generation, SamplingParams
+from legorl.engines.watched import WatchedEngine
 from legorl.errors import LegorlError
 from legorl.proxy import budgets as B
 from legorl.proxy.budgets import Budgets
@@ -223,6 +224,7 @@ class ProxyCore:
             try:
                 gen: Generation | None = None
                 announced = False
+                version: int | None = None
                 seen_lps: list[float] = []
                 seen_routing: list[Any] = []
                 stream = self.engine.stream(plan.prompt_ids, params)
@@ -230,6 +232,7 @@ class ProxyCore:
                     async for chunk in stream:
                         if not announced:  # the engine took the request (it may refuse it: a 400)
                             announced = True
+                            version = self._call_version()  # read while the call is in flight: exact
                             yield Started(len(plan.prompt_ids))
                         if call.ttft_s is None and chunk.token_ids:
                             call.ttft_s = progress.first_token_s = time.perf_counter() - t0
@@ -291,8 +294,14 @@ class ProxyCore:
             session.in_flight = None
             # The distribution actually sampled (after overrides and the greedy rule): a trainer reads it.
             call.temperature, call.top_p, call.top_k = params.temperature, params.top_p, params.top_k
+            call.policy_version = version
             result = self._finish(session, req, plan, gen, text, call, t0)
             yield result
+
+    def _call_version(self) -> int | None:
+        """The policy version of the call in flight; None (unknown) behind an engine whose weight loads
+        this process does not see (one not wrapped in a :class:`WatchedEngine`)."""
+        return self.engine.call_version() if isinstance(self.engine, WatchedEngine) else None
 
     def _finish(self, session: Session, req: ChatRequest, plan: Plan, gen: Generation, text: TextAssembler,
                 call: Call, t0: float) -> CallResult:
