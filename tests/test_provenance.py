@@ -194,3 +194,32 @@ def test_shards_from_before_versions_read_as_unknown(tmp_path: Path) -> None:
     assert old.calls[0].policy_version is None
     assert provenance.token_versions(old) == [[None] * 12] and provenance.trial_lag(old) is None
     assert not provenance.is_stale(old, 9, 0)
+
+
+def test_inspect_and_health_show_the_staleness_of_a_versioned_run(tmp_path: Path) -> None:
+    from legorl.monitor.health import health_renderable, health_summary
+    from legorl.monitor.inspect import inspect_path
+    from legorl.schemas import MetricRow
+
+    rows = [_row(1, [(0, 2, 3, 1)]), _row(1, [(0, 2, 3, 0)])]
+    rows[1].sample_index, rows[1].trial_id = 1, "t/h/step1/sample1"
+    shards.write(tmp_path / "rollouts", Kind.ROLLOUTS, rows)
+    figures = provenance.staleness_metrics(rows, 1, provenance.Staleness(1))
+    shards.write(tmp_path / "train" / "metrics", Kind.METRICS, [
+        MetricRow(step=1, key=k, value=v, stage=provenance.METRICS_STAGE) for k, v in figures.items()])
+
+    (rollouts,) = [d for d in inspect_path(tmp_path)["datasets"] if d["name"] == "rollouts"]
+    assert rollouts["breakdown"]["staleness"] == {"lag 0": 0.5, "lag 1": 0.5}
+    summary = health_summary(tmp_path)
+    assert summary["staleness"] == {"step": 1, "trials_by_lag": {"0": 0.5, "1": 0.5}, "trials_stale": 0.0,
+                                    "trials_dropped": 0.0}
+    from rich.console import Console
+
+    console = Console(width=100, record=True)
+    console.print(health_renderable(summary))
+    assert "staleness             step 1: lag 0 50.0%, lag 1 50.0% of trials · 0 stale, 0 dropped" in console.export_text()
+
+    unversioned = tmp_path / "old"
+    shards.write(unversioned / "rollouts", Kind.ROLLOUTS, [_row(0, [(0, 2, 3, None)])])
+    (old,) = inspect_path(unversioned)["datasets"]
+    assert "staleness" not in old["breakdown"] and health_summary(unversioned)["staleness"] is None

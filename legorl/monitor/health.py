@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from legorl import metric_keys as mk
+from legorl import provenance
 from legorl.monitor import behaviour, stats
 from legorl.monitor.loading import RunReader, Snapshot
 
@@ -80,10 +81,33 @@ def health_summary(run: str | os.PathLike[str] | Snapshot) -> dict[str, Any]:
         "outcomes_latest_step": latest_outcomes,
         "behaviour_latest_step": beh,
         "fidelity": fidelity,
+        "staleness": _staleness(metrics),
         "eval": _eval_headline(snap.eval_report),
     }
     summary["warnings"] = warnings(summary)
     return summary
+
+
+def _staleness(metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """The overlapped loop's latest staleness figures (legorl.provenance): step, share of trials per lag,
+    trials stale and dropped; None when the loop wrote none (a synchronous run)."""
+    lags = {key.removeprefix(provenance.TRIALS_AT_LAG): s for key, by in metrics.items()
+            if key.startswith(provenance.TRIALS_AT_LAG) and (s := by.get(stats.ALL))}
+    if not lags:
+        return None
+    step = max(s["steps"][-1] for s in lags.values())
+
+    def at(series: dict[str, Any] | None) -> float | None:
+        found = [v for st, v in zip(series["steps"], series["values"], strict=True) if st == step] if series else []
+        return found[-1] if found else None
+
+    return {
+        "step": step,
+        "trials_by_lag": {lag: v for lag, s in sorted(lags.items(), key=lambda kv: int(kv[0]))
+                          if (v := at(s)) is not None},
+        "trials_stale": at(metrics.get(provenance.TRIALS_STALE, {}).get(stats.ALL)),
+        "trials_dropped": at(metrics.get(provenance.TRIALS_DROPPED, {}).get(stats.ALL)),
+    }
 
 
 def _eval_headline(report: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -162,6 +186,11 @@ def health_renderable(summary: dict[str, Any]) -> RenderableType:
     top.add_row("reward (latest step)", _trend(summary["reward_mean"], pct=False))
     top.add_row("solve rate", _trend(summary["solve_rate"], pct=True))
     top.add_row("zero-variance groups", _fmt(summary["zero_variance_share"], pct=True))
+    if summary.get("staleness"):
+        st = summary["staleness"]
+        lags = ", ".join(f"lag {lag} {_fmt(v, pct=True)}" for lag, v in st["trials_by_lag"].items())
+        top.add_row("staleness", f"step {st['step']}: {lags or '—'} of trials · {_fmt(st['trials_stale'])} stale, "
+                    f"{_fmt(st['trials_dropped'])} dropped")
     if summary.get("eval"):
         passes = ", ".join(f"pass@{k} {_fmt(v, pct=True)}" for k, v in summary["eval"]["pass_at"].items())
         top.add_row("eval", passes or "—")

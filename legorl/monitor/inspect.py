@@ -7,7 +7,8 @@ The JSON form is for scripts; its keys are stable:
 (``legorl.monitor.health.health_summary``) when the path is a run directory holding trials.
 
 ``breakdown`` depends on the kind: tasks ``{"repos": {repo: n}}``; rollouts ``{"outcomes",
-"harnesses", "steps", "infra_failures", "sampled_tokens", "segments"}``; grades ``{"statuses",
+"harnesses", "steps", "infra_failures", "sampled_tokens", "segments"}``, plus ``"staleness": {"lag L": share
+of trials}`` when calls record their policy version (``legorl.provenance.lag_shares``); grades ``{"statuses",
 "resolved", "reward_mean", "infra_failures", "suspicious"}``; metrics ``{"steps", "keys", "last": {key: value}}``.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from legorl import shards
+from legorl import provenance, shards
 from legorl.errors import ShardError
 from legorl.paths import RunDir
 from legorl.schemas import Kind
@@ -67,6 +68,7 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
             "infra_failures": int(pc.sum(t.column("infra_failure")).as_py() or 0),
             "sampled_tokens": sampled,
             "segments": len(flat),
+            **_staleness(t),
         }
     if dataset.kind == Kind.GRADES:
         reward = pc.mean(t.column("reward")).as_py() if t.num_rows else None
@@ -89,6 +91,12 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
         ):
             last[key if harness is None else f"{key}[{harness}]"] = value
     return {"steps": len(steps), "keys": len(set(t.column("key").to_pylist())), "last": dict(sorted(last.items()))}
+
+
+def _staleness(t: Any) -> dict[str, Any]:
+    """``{"staleness": {"lag L": share of trials}}`` when calls record their policy version, else {}."""
+    shares = provenance.lag_shares(t.select(["trial_id", "step", "calls"]).to_pylist())
+    return {"staleness": {f"lag {lag}": share for lag, share in shares.items()}} if shares else {}
 
 
 def summarize_dataset(name: str, folder: Path, kind: Kind) -> dict[str, Any]:
