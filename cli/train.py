@@ -42,6 +42,8 @@ def register(app: typer.Typer) -> None:
         assert isinstance(config, TrainConfig)
         with console.status(f"training on {run}"):
             result = run_train(run, model, step, config, resume=resume, out=out)
+        if not result.main_process:
+            return  # another process of `accelerate launch`: the main one reports
         if json_out:
             print_json(result.to_dict())
             return

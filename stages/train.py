@@ -54,6 +54,7 @@ class TrainResult:
     started_from: str = ""
     already_done: bool = False
     skipped: str | None = None  # why the step made no update (metric_keys.SKIP_*), None when it trained
+    main_process: bool = True  # False in the other processes of an `accelerate launch` (they report nothing)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -140,7 +141,7 @@ def run_train(
         processes.wait_for_everyone()
         return TrainResult(data.step, final, info.get("updates", 0), len(data.trials), len(data.sequences),
                            dict(data.dropped), info.get("metrics", {}), info.get("started_from", ""), already_done=True,
-                           skipped=info.get("skipped"))
+                           skipped=info.get("skipped"), main_process=processes.is_main_process)
 
     sampling = step_sampling(data, config.temperature)  # refuses what the trainer cannot score exactly
     init_from, carry, resume_ckpt = Path(model_dir), None, None
@@ -223,7 +224,7 @@ def run_train(
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
     return TrainResult(data.step, final, state.global_step, len(data.trials), len(data.sequences),
-                       dict(data.dropped), summary, started_from)
+                       dict(data.dropped), summary, started_from, main_process=accelerator.is_main_process)
 
 
 def _commit(
@@ -272,7 +273,7 @@ def _commit_skipped(
         shutil.rmtree(checkpoints.partial(data.step), ignore_errors=True)
     processes.wait_for_everyone()
     return TrainResult(data.step, final, 0, len(data.trials), len(data.sequences), dict(data.dropped), summary,
-                       str(init_from), skipped=reason)
+                       str(init_from), skipped=reason, main_process=processes.is_main_process)
 
 
 def _processes(config: TrainConfig) -> Any:

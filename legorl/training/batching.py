@@ -166,6 +166,24 @@ def take(batch: dict[str, object], rows: list[int], advantage_factor: float = 1.
     return _trim(piece)
 
 
+def pad_rows(piece: dict[str, object], rows: int) -> dict[str, object]:
+    """``piece`` grown to ``rows`` rows with copies of its first row that train nothing (no sampled
+    token, advantage 0; one fork key with the original, so packing computes them once). Under DDP
+    every process's piece of a micro-batch must have as many rows: TRL gathers per-row figures."""
+    extra = rows - int(piece["prompt_ids"].shape[0])  # type: ignore[attr-defined]
+    if extra <= 0:
+        return piece
+    out: dict[str, object] = {}
+    for key, value in piece.items():
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
+            copies = value[:1].expand(extra, *value.shape[1:])
+            if key in ("tool_mask", "advantages"):
+                copies = torch.zeros_like(copies)
+            value = torch.cat([value, copies])
+        out[key] = value
+    return out
+
+
 def token_micro_batches(data: StepData, batches: list[list[int]], budget: int) -> int:
     """How many micro-batches each generation batch needs for pieces of at most ``budget`` tokens (a
     trial is never cut; one longer than the budget is a piece of its own): the most any batch needs."""

@@ -40,7 +40,7 @@ from legorl import metric_keys as mk
 from legorl.errors import LegorlError
 from legorl.routing import capture_routing, replay_routing, routing_shape
 from legorl.training.attention import packed_attention
-from legorl.training.batching import BatchTotals, GroupBatchSampler, micro_batch_plan, pad, take
+from legorl.training.batching import BatchTotals, GroupBatchSampler, micro_batch_plan, pad, pad_rows, take
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData, TrainSequence
 from legorl.training.distributed import gather_cat, sum_across
@@ -179,11 +179,13 @@ class SegmentGRPOTrainer(GRPOTrainer):
         per_row_loss = cfg.trl_loss_type in ("grpo", "dr_grpo")
         pieces, start = [], 0
         for micro, share in zip(plan, shares, strict=True):
+            # Every process's piece of a micro-batch has as many rows (TRL gathers per-row figures).
+            height = max(1, *(len(s) for s in micro)) if ranks > 1 else len(share)
             if not share:
-                pieces.append(self._no_op(seqs[0], totals, run=any(micro)))
+                pieces.append(pad_rows(self._no_op(seqs[0], totals, run=any(micro)), height))
                 continue
-            factor = len(share) * chunks * ranks / totals.rows if per_row_loss else 1.0
-            pieces.append(take(scored, list(range(start, start + len(share))), factor))
+            factor = height * chunks * ranks / totals.rows if per_row_loss else 1.0
+            pieces.append(pad_rows(take(scored, list(range(start, start + len(share))), factor), height))
             start += len(share)
         return pieces
 
@@ -405,7 +407,8 @@ class SegmentGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
-        self.trained_tokens += int(completion_mask.sum()) + int(prompt_mask.sum())
+        trained = inputs["tool_mask"].sum(-1) > 0  # not the rows that only pad a piece (pad_rows)
+        self.trained_tokens += int(completion_mask[trained].sum()) + int(prompt_mask[trained].sum())
         routing = inputs.get("routed_experts")
         with ExitStack() as local:
             held = self._held if self._held is not None else local
