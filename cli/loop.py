@@ -25,7 +25,7 @@ GRADE_FIELDS = ("concurrency", "test_timeout")
 LOOP_TRAIN_FIELDS = tuple(f for f in TRAIN_CLI_FIELDS if f != "temperature")
 # What serves the policy: the embedded engine, or a vLLM server (--upstream, or one started here)
 # whose weights the loop reloads each step.
-ENGINE_FIELDS = ("engine", "upstream")
+ENGINE_FIELDS = ("engine", "upstream", "reload_tolerance")
 
 
 def register(app: typer.Typer) -> None:
@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
 
         require_model_dir(loop["model"])
         PolicySpec(model=loop["model"], **engine).validate()
-        if engine != {"engine": "embedded", "upstream": None}:
+        if engine != {"engine": "embedded", "upstream": None, "reload_tolerance": None}:
             if not set(ENGINE_FIELDS) <= {f.name for f in dataclasses.fields(OnlineConfig)}:
                 raise LegorlError("legorl loop --engine/--upstream: this online loop (legorl/flows/online.py) "
                                   "does not hand an engine to its policy yet")

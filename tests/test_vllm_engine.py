@@ -295,3 +295,62 @@ def test_vllm_refusals_are_request_errors_and_other_statuses_are_not(server) -> 
         with pytest.raises(LegorlError) as err:
             asyncio.run(eng.generate([1, 2], SamplingParams(max_tokens=2)))
         assert not isinstance(err.value, RequestRejected)
+
+
+def test_untied_layouts_for_the_server(tiny_model: Path, tmp_path: Path) -> None:
+    """A tied model gets a view whose config unties the head and whose weights hold it (the
+    embeddings' values); a sharded checkpoint's index names the head file; an untied one is used as is."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from legorl.engines import vllm_weights as vw
+
+    view = vw.write_server_view(tiny_model, tmp_path / "view")
+    assert vw.is_tied(tiny_model) and not vw.is_tied(view)
+    assert {p.name for p in tiny_model.iterdir()} - {p.name for p in view.iterdir()} == set()
+    weights = {k: v for f in view.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(weights[vw.HEAD], weights["model.embed_tokens.weight"])
+    assert vw.write_server_view(view, tmp_path / "again") == view and not (tmp_path / "again").exists()
+    assert vw.reload_source(view, tmp_path / "scratch") == view
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    save_file({"model.embed_tokens.weight": torch.ones(4, 2)}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({"model.norm.weight": torch.ones(2)}, str(sharded / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                            "model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    source = vw.reload_source(sharded, tmp_path / "scratch")
+    laid_out = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    assert laid_out[vw.HEAD] == vw.HEAD_FILE and set(index["weight_map"]) < set(laid_out)
+    assert all((source / name).exists() for name in laid_out.values())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(LegorlError, match=r"no \*\.safetensors"):
+        vw.reload_source(empty, tmp_path / "s2")
+
+
+def test_compare_refuses_a_gap_and_nan() -> None:
+    from legorl.engines.vllm_weights import ReloadMismatch, compare
+
+    assert compare([-1.0, -2.0], [-1.0, -2.0000001], 1e-3, "x") < 1e-6
+    with pytest.raises(ReloadMismatch, match=r"up to 0\.5 nats"):
+        compare([-1.0, -2.5], [-1.0, -2.0], 1e-3, "x")
+    with pytest.raises(ReloadMismatch):
+        compare([float("nan")], [-1.0], 1e-3, "x")
+
+
+def test_engine_options_are_checked(tiny_model: Path) -> None:
+    from legorl.engines.config import EngineConfig
+    from legorl.flows.policy import PolicySpec
+
+    with pytest.raises(ConfigError, match="needs --engine vllm"):
+        EngineConfig(model=tiny_model, upstream="http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match="must be > 0"):
+        EngineConfig(model=tiny_model, engine="vllm", reload_tolerance=0)
+    for bad, match in (({"engine": "other"}, "choose one of"), ({"upstream": "http://x"}, "needs --engine vllm"),
+                       ({"engine": "vllm", "proxy_url": "http://x", "model": None}, "brings its own engine")):
+        with pytest.raises(LegorlError, match=match):
+            PolicySpec(**{"model": tiny_model, **bad}).validate()  # type: ignore[arg-type]

@@ -33,6 +33,9 @@ class PolicySpec:
     upstream: str | None = field(default=None, metadata={"help": (
         "URL of a running vLLM server (with --engine vllm): it serves the policy, and a training loop reloads "
         "its weights each step.")})
+    reload_tolerance: float | None = field(default=None, metadata={"help": (
+        "vLLM: the largest |Δ| in nats between served and checkpoint logprobs that a weight reload may leave "
+        "(default 1e-3, for float32 serving; raise it for a bfloat16 server).")})
     proxy_url: str | None = field(default=None, metadata={"aliases": ["--proxy"], "help": (
         "URL of a running `legorl serve-proxy` (instead of --model).")})
     api_key: str | None = field(default=None, metadata={"help": "API key of the --proxy."})
@@ -48,6 +51,8 @@ class PolicySpec:
             raise LegorlError(f"--engine {self.engine}: choose one of {', '.join(ENGINES)}")
         if self.upstream is not None and self.engine != "vllm":
             raise LegorlError("--upstream is a vLLM server's URL: it needs --engine vllm")
+        if self.reload_tolerance is not None and not self.reload_tolerance > 0:
+            raise LegorlError(f"--reload-tolerance {self.reload_tolerance}: must be > 0")
         if self.proxy_url is not None and self.engine != "embedded":
             raise LegorlError("--engine serves --model here; a --proxy brings its own engine")
 
@@ -75,7 +80,8 @@ def _engine(spec: PolicySpec, model: Path) -> Engine:
     if spec.engine == "vllm":
         from legorl.engines.vllm_server import vllm_engine
 
-        return vllm_engine(model, spec.upstream, name=spec.engine_name, max_context=spec.max_context)
+        return vllm_engine(model, spec.upstream, name=spec.engine_name, max_context=spec.max_context,
+                           reload_tolerance=spec.reload_tolerance)
     from legorl.engines.embedded import EmbeddedEngine
 
     return EmbeddedEngine(model, name=spec.engine_name, max_context=spec.max_context)
