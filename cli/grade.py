@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -55,7 +57,9 @@ def register(app: typer.Typer) -> None:
             jobs, infra_rollouts = stage.rollout_jobs(rollouts or (rd.rollouts if rd else Path()))
 
         skipped = None if json_out else (lambda n: f"{n} trial(s) already graded: skipped")
-        with StageBar("grading", graded, transient=json_out, skipped=skipped) as bar:
+        # stdout is for the answer: Ray's driver prints cluster events (a node died) to it
+        with StageBar("grading", graded, transient=json_out, skipped=skipped) as bar, \
+                contextlib.redirect_stdout(sys.stderr):
             summary = stage.grade_stage(tasks_dir, out_dir, jobs, options, run_label=str(run) if run else None,
                                         placement=placement, on_start=bar.on_start, on_done=bar.on_done)
         result = summary.as_dict()

@@ -15,7 +15,9 @@ def register(app: typer.Typer) -> None:
     @with_configs(cfg=ConfigOptions(RolloutConfig), policy=ConfigOptions(PolicySpec, only=POLICY_FIELDS))
     def rollout_command(cfg: RolloutConfig, policy: PolicySpec, json_out: JsonOption = False) -> None:
         """Roll out: sandbox → proxy session → harness → patch → one trial row; resumable."""
+        import contextlib
         import dataclasses
+        import sys
         import time
 
         from legorl.cli.progress import Outcomes, StageBar, loading
@@ -51,7 +53,9 @@ def register(app: typer.Typer) -> None:
                 return status()
 
             skipped = None if json_out else (lambda n: f"{n} trial(s) already in {run}/rollouts: skipped")
-            with StageBar("rollout", describe, transient=json_out, skipped=skipped, tick=status) as bar:
+            # stdout is for the answer: Ray's driver prints cluster events (a node died) to it
+            with StageBar("rollout", describe, transient=json_out, skipped=skipped, tick=status) as bar, \
+                    contextlib.redirect_stdout(sys.stderr):
                 summary = rollout_stage(cfg, served.proxy, on_start=bar.on_start, on_done=bar.on_done)
         result = summary.as_dict()
         if json_out:

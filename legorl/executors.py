@@ -159,7 +159,9 @@ class RayExecutor:
         owned = not ray.is_initialized()
         if owned:
             try:
-                ray.init(address=self.address, logging_level="warning", configure_logging=True)
+                # log_to_driver off: the workers' and raylets' lines would land in this process's
+                # stdout (a --json answer); they stay in the cluster's log files
+                ray.init(address=self.address, logging_level="warning", log_to_driver=False)
             except (ConnectionError, ValueError, RuntimeError) as exc:
                 raise LegorlError(f"--address {self.address or '(none)'}: cannot join a Ray cluster "
                                   f"({_first_line(exc)})") from None

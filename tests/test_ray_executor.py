@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from rollout_support import import_one, scripted, tool_call
 from test_sharded_stages import edit_command
 
 from legorl import shards
-from legorl.engines.base import Generation, SamplingParams
+from legorl.engines.base import Generation, SamplingParams, TokenChunk
 from legorl.engines.scripted import ScriptedEngine
 from legorl.errors import LegorlError
 from legorl.executors import RAY_MISSING, ExecutorOptions, RayExecutor
@@ -52,11 +52,19 @@ class HeldEngine(ScriptedEngine):
         self.held = threading.Semaphore(0)
         self.release = threading.Event()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def _hold(self) -> None:
         if not self.release.is_set():
             self.held.release()
             await asyncio.to_thread(self.release.wait, 240)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        await self._hold()
         return await super().generate(prompt_ids, params)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        await self._hold()
+        async for chunk in super().stream(prompt_ids, params):
+            yield chunk
 
 
 def _ray() -> Any:
@@ -70,14 +78,19 @@ def _ray() -> Any:
 
 
 @pytest.fixture
-def cluster() -> Iterator[Any]:
+def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A head with no CPUs (trials never run there) and two one-CPU worker nodes, in a short temp dir
     (Ray's unix socket paths must stay short), every port picked free by Ray, dashboard off; node
     deaths are noticed within a few seconds."""
     ray = _ray()
     temp = tempfile.mkdtemp(prefix="lray-", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", temp)  # Ray's files (its address file too) stay out of /tmp/ray
+    # Loopback only: otherwise Ray turns 127.0.0.1 in an address into this host's outward IP
+    # (services.resolve_ip_for_localhost), where a loopback cluster does not listen.
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.mkdir(f"{temp}/ray")
     head = ray.cluster_utils.Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp, "node_ip_address": "127.0.0.1",
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": f"{temp}/ray", "node_ip_address": "127.0.0.1",
         "_system_config": {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
                            "health_check_failure_threshold": 3}})
     try:

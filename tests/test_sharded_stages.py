@@ -93,6 +93,7 @@ def test_sharded_rollout_and_grade_cover_the_run_once(proxy: tuple[str, TaskRow,
     everything = {f"{j.task.instance_id}/simple/step0/sample{j.sample_index}" for j in unsharded}
     assert len(everything) == SAMPLES
     owned = [{k for k in everything if Shard(i, 2).owns(k)} for i in range(2)]
+    assert all(owned), owned  # both shards have work (true of these keys: the hash is fixed)
 
     results = _parallel([[*rollout, "--shard", f"{i}/2"] for i in range(2)])
     for i, result in enumerate(results):
