@@ -4,6 +4,10 @@ The harness runs in its own venv (``legorl harness install mini-swe-agent``) thr
 script; each of its bash actions is a ``podman exec`` into the trial container, which therefore
 needs no network. Its batch runner shares one API base across instances, so legorl drives the agent
 class per trial to give each trial its own session URL.
+
+Trials are forked from a warm interpreter that has already imported litellm (most of a cold start's
+~15 s on two cores; :mod:`legorl.harnesses.warm`); each runs the same runner script with the same
+config file as a cold start would. ``warm_start = False`` or ``LEGORL_WARM_START=0`` starts them cold.
 """
 
 from __future__ import annotations
@@ -11,11 +15,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from legorl.harnesses import warm
 from legorl.harnesses.base import End, Launch, ProcessHarness, ProcResult, TrialPaths, TrialSpec, json_file
 from legorl.sandbox.base import Sandbox
 from legorl.sandbox.host import podman_env, podman_path
 
 RUNNER = Path(__file__).with_name("_mini_swe_agent_runner.py")
+# What a cold start spends its time importing. minisweagent itself (~0.1 s after litellm) is imported
+# by each trial under its own environment: it reads its config dir, .env and MSWEA_* at import.
+WARM_MODULES = ("litellm",)
 
 _EXIT_STATUS = {
     "Submitted": End.SUBMITTED,
@@ -35,6 +43,7 @@ class MiniSweAgent(ProcessHarness):
     config = "swebench"  # the config mini-swe-agent ships for SWE-bench-style tasks (--harness-config: another)
     takes_config_file = True
     command_timeout_s = 60
+    warm_start = True  # fork each trial from a warm interpreter (LEGORL_WARM_START=0 also turns it off)
 
     def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
         model_kwargs: dict[str, object] = {}
@@ -66,7 +75,8 @@ class MiniSweAgent(ProcessHarness):
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "PYTHONUNBUFFERED": "1",
         }
-        return Launch([self.install.python or "python", str(RUNNER), str(config)], env)
+        modules = WARM_MODULES if self.warm_start and warm.enabled() else ()
+        return Launch([self.install.python or "python", str(RUNNER), str(config)], env, modules)
 
     def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
         result = json_file(paths.host / "result.json")

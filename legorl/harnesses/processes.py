@@ -4,11 +4,16 @@ Both are bounded by a wall-clock limit that kills the harness's whole process gr
 every process the harness starts also carries a run marker (:data:`RUN_MARKER`) in its
 environment, so what left the group (a ``setsid`` child) is found and killed when the run ends;
 :func:`kill_host_processes` does the same for every host-run harness when the stage stops.
+
+A launch that names modules to preload (:attr:`Launch.warm`) is forked from a warm interpreter
+(:mod:`legorl.harnesses.warm`) instead of started cold, and driven the same way; when no warm
+interpreter is available it starts cold.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -17,13 +22,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
+from legorl.harnesses import warm
 from legorl.harnesses.trialfiles import read_trial_text
 from legorl.sandbox.base import Sandbox
 
 CONTAINER_TRIAL_DIR = "/legorl"  # where the per-trial folder is mounted inside the container
 LOG_NAME = "harness.log"
 KILL_GRACE_S = 5.0
+
+logger = logging.getLogger("legorl.harnesses")
 
 
 @dataclass
@@ -42,6 +51,22 @@ class Launch:
 
     argv: list[str]
     env: dict[str, str]
+    # Host-run Python harnesses (argv ``[python, SCRIPT, ARG...]``): modules a warm interpreter may
+    # import before the trial exists (nothing they do at import may depend on the trial's environment),
+    # so the trial is forked from it (legorl.harnesses.warm); empty: a cold start.
+    warm: tuple[str, ...] = ()
+
+
+class HostProcess(Protocol):
+    """A harness process on the host, in its own process group: a ``Popen`` or a warm fork."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def tail(path: Path, chars: int = 4000) -> str:
@@ -52,7 +77,7 @@ def tail(path: Path, chars: int = 4000) -> str:
         return ""
 
 
-_host_procs: dict[subprocess.Popen[bytes], str] = {}  # each host-run harness and its run marker
+_host_procs: dict[HostProcess, str] = {}  # each host-run harness and its run marker
 _host_mu = threading.Lock()
 # In the environment of every process a host-run harness starts: a child that leaves the harness's
 # process group (setsid) still carries it, and is found by it when the run ends.
@@ -61,19 +86,18 @@ RUN_MARKER = "LEGORL_HARNESS_RUN"
 
 def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcResult:
     """Run on the host in its own session; on timeout the whole process group is killed, and when
-    the run ends every process still carrying its marker (a child that left the group) is too."""
+    the run ends every process still carrying its marker (a child that left the group) is too.
+    The limit counts from here, so a warm interpreter's own start is the trial's time, as a cold
+    start's imports are."""
     start = time.monotonic()
     marker = secrets.token_hex(8)
     with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**launch.env, RUN_MARKER: marker}, cwd=cwd, start_new_session=True,
-        )
+        proc = _start(launch, {**launch.env, RUN_MARKER: marker}, out, cwd, timeout_s)
         with _host_mu:
             _host_procs[proc] = marker
         timed_out = False
         try:
-            proc.wait(timeout=timeout_s)
+            proc.wait(timeout=max(0.0, timeout_s - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             timed_out = True
             kill_group(proc, KILL_GRACE_S)
@@ -85,6 +109,20 @@ def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcR
             with _host_mu:
                 _host_procs.pop(proc, None)
     return ProcResult(proc.returncode, timed_out, time.monotonic() - start, tail(log))
+
+
+def _start(launch: Launch, env: dict[str, str], out: BinaryIO, cwd: Path, timeout_s: float) -> HostProcess:
+    """Fork the launch from a warm interpreter when it asks for one and one is available, else start it cold."""
+    if launch.warm and len(launch.argv) >= 2:
+        # waiting for a starting server is the trial's time (as a cold start's imports are): at most half of it
+        server = warm.server_for(launch.argv[0], launch.warm, launch.env, cwd, RUN_MARKER, wait_s=timeout_s / 2)
+        if server is not None:
+            try:
+                return server.spawn(launch.argv, env, cwd, out.fileno())
+            except warm.WarmStartError as exc:
+                logger.warning("warm start of %s failed, starting it cold: %s", launch.argv[1], exc)
+    return subprocess.Popen(launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            cwd=cwd, start_new_session=True)
 
 
 def kill_marked(markers: set[str]) -> int:
@@ -111,17 +149,19 @@ def kill_marked(markers: set[str]) -> int:
 
 
 def kill_host_processes() -> None:
-    """KILL every host-run harness of this process and what it started (their own sessions escape our signals)."""
+    """KILL every host-run harness of this process and what it started (their own sessions escape our
+    signals), and stop the warm interpreters (with whatever they forked)."""
     with _host_mu:
         procs = dict(_host_procs)
     for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-    if procs:
-        kill_marked(set(procs.values()))
+    markers = set(procs.values()) | set(warm.stop_servers())
+    if markers:
+        kill_marked(markers)
 
 
-def kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+def kill_group(proc: HostProcess, grace_s: float) -> None:
     """TERM the process group, then KILL it after ``grace_s``."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
         with contextlib.suppress(ProcessLookupError):
