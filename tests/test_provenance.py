@@ -124,6 +124,11 @@ def test_a_swap_waits_for_the_call_in_flight_and_holds_the_calls_that_arrive_mea
     while not any(e[0] == "swapped" for e in events):
         assert time.monotonic() < deadline, events
         time.sleep(0.05)
+    asyncio.run(engine.load_weights(str(tiny_model), version=1))  # a caller that knows which version it loads
+    assert engine.policy_version == 1
+    with pytest.raises(LegorlError, match="not a model directory"):
+        asyncio.run(engine.load_weights(str(tiny_model / "missing")))
+    assert engine.policy_version == 1 and not engine.swapping  # a failed load keeps the version
     asyncio.run(engine.close())
     names = [e[0] for e in events]
     assert names.index("first call done") < names.index("swapped"), events

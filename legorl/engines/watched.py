@@ -3,7 +3,7 @@ sampled tokens, failures) and numbers the weights every call samples from.
 
 Policy versions (:attr:`WatchedEngine.policy_version`): 0 is the weights the engine was opened
 with (or the version a caller says they are), and each completed :meth:`~WatchedEngine.load_weights`
-adds 1. A swap happens only between calls: it waits until every call in flight has finished, and
+adds 1 (or sets the version its caller names). A swap happens only between calls: it waits until every call in flight has finished, and
 calls that arrive meanwhile wait for it, so a call samples every token from the version it started
 on — whatever the engine behind does with requests queued across a reload (the embedded engine
 and vLLM's pause both let them through to the new weights, which is why the gate is here and not
@@ -135,10 +135,11 @@ class WatchedEngine:
         finally:
             self._exit(tokens, error)
 
-    async def load_weights(self, path: str) -> None:
+    async def load_weights(self, path: str, version: int | None = None) -> None:
         """Serve the checkpoint at ``path`` from the next call on: waits for the calls in flight to finish
-        (on the old weights), holds new ones meanwhile, then counts the new version (a failed load keeps
-        the old one). Concurrent loads run one after another."""
+        (on the old weights), holds new ones meanwhile, then counts the new version — ``version`` when the
+        caller knows which one those weights are (the loop: checkpoint ``step-S`` is S + 1), else one more
+        than now; a failed load keeps the old one. Concurrent loads run one after another."""
         while True:
             with self._mu:
                 if not self._swapping:
@@ -160,7 +161,7 @@ class WatchedEngine:
             with self._mu:
                 self._swapping = False
                 if loaded:
-                    self.policy_version += 1
+                    self.policy_version = self.policy_version + 1 if version is None else version
                 self._opened.fire()
 
     async def close(self) -> None:

@@ -22,6 +22,7 @@ interrupted step, and the engine starts from the latest checkpoint.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -144,7 +145,7 @@ def _synchronous(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
         with during(step, "train"):
             result = _train(cfg, run, step)
         t3 = time.perf_counter()
-        served.reload(result.checkpoint)
+        _load(served, result.checkpoint, step)
         t4 = time.perf_counter()
         record = OnlineStep(
             step=step, new_trials=len(rolled.rows), new_grades=graded,
@@ -155,6 +156,14 @@ def _synchronous(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
         if on_step is not None:
             on_step(record)
     return records
+
+
+def _load(served: Policy, checkpoint: Path, step: int) -> None:
+    """Serve step ``step``'s checkpoint from the next call on, as version ``step + 1`` (between calls:
+    :meth:`WatchedEngine.load_weights`). Named, not counted: a resumed loop reloads checkpoints the
+    engine has served before."""
+    assert served.engine is not None
+    asyncio.run(served.engine.load_weights(str(checkpoint), version=step + 1))
 
 
 def _grade(cfg: OnlineConfig, run: RunDir, step: int) -> int:
@@ -256,8 +265,10 @@ def _overlapped(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
             with during(step, "train"):
                 result = _train(cfg, run, step)
             t2 = time.perf_counter()
-            served.reload(result.checkpoint)
-            ahead.loaded()
+            assert served.engine is not None
+            if served.engine.policy_version <= step:  # a resumed run's engine may serve a later one already
+                _load(served, result.checkpoint, step)
+                ahead.loaded()
             t3 = time.perf_counter()
             _write_staleness(run, step, figures)
             record = OnlineStep(
