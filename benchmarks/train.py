@@ -105,7 +105,8 @@ def run_legorl(model_dir: Path, data: Any, updates: int, out: Path, **options: A
     from legorl.stages.train import _build_trainer, prepare
     from legorl.training.config import TrainConfig
 
-    config = TrainConfig(learning_rate=1e-5, **options)
+    # The same work as plain TRL, which trains zero-advantage rows too.
+    config = TrainConfig(learning_rate=1e-5, **{"skip_zero_advantage": False, **options})
     prepare(data, config)
     batch = [i for t in data.trials for i in t.sequences]
     trainer = _build_trainer(model_dir, out, data, [batch] * updates, config, None, [])

@@ -5,18 +5,23 @@ from. TRL's loop, losses (``_compute_loss``: grpo, dr_grpo, dapo, sequence-level
 logging, checkpointing and reporters are used as they are:
 
 - the train dataloader yields generation batches of whole groups (:mod:`.batching`), each
-  repeated for TRL's ``num_iterations x steps_per_generation`` micro-steps;
-- ``_generate_and_score_completions`` generates nothing: it pads the stored token ids, turns the
-  loss mask into TRL's ``tool_mask``, recomputes the old logprobs with the model (routing replayed
-  for MoE), folds the importance weights against the rollout logprobs and the trial weighting into
-  per-token advantages of shape (B, T), and records the health metrics;
+  repeated for TRL's ``num_iterations x steps_per_generation`` micro-steps, the same batches in
+  every process of an ``accelerate launch``;
+- generating nothing, ``_micro_batches`` counts the batch's normalisers, leaves out trials whose
+  advantage is 0 (``skip_zero_advantage``), cuts the rest into micro-batches and each micro-batch
+  into one share per process (:func:`~.batching.micro_batch_plan`); ``_score`` pads this process's
+  rows, turns the loss mask into TRL's ``tool_mask``, recomputes their old logprobs (routing
+  replayed for MoE), folds the importance weights against the rollout logprobs and the trial
+  weighting into per-token advantages of shape (B, T), and records the health metrics over every
+  process's rows (:mod:`.distributed`); a micro-batch no process trains in does not run;
 - ``_compute_loss`` is TRL's, run inside the routing-replay context; with ``padding_free`` (the
   default) the per-token logprobs it asks for come from one packed, padding-free forward with the
   LM head only at sampled positions and fork prefixes computed once (:mod:`.logprobs`,
   :mod:`.packing`), the old logprobs from the same path without gradient, in token-bounded chunks.
 
 Advantages are computed before training, per group over the whole step (:mod:`.advantages`), so
-how a generation batch is cut into micro-batches never changes them.
+how a generation batch is cut into micro-batches, or shared between processes, never changes them
+(docs/training-at-scale.md).
 """
 
 from __future__ import annotations
