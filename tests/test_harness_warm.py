@@ -111,6 +111,27 @@ def test_timeout_kills_the_forked_trial_and_all_its_descendants(tmp_path: Path) 
     assert server.proc.poll() is None  # the server outlives its trial, ready for the next
 
 
+def test_a_forked_trial_dies_with_its_connection(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sleeper.py", """
+        import os, subprocess, sys, time
+        child = subprocess.Popen(["sleep", "300"])
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {child.pid}\\n")
+        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+        time.sleep(300)
+    """)
+    pids_file = tmp_path / "pids"
+    env = _env(tmp_path)
+    server = warm.server_for(PY, ("json",), env, tmp_path, RUN_MARKER, wait_s=60.0)
+    assert server is not None
+    with open(tmp_path / "log", "ab") as out:
+        proc = server.spawn([PY, str(script), str(pids_file)], env, tmp_path, out.fileno())
+    trial, child = _read_pids(pids_file, 2)
+    assert proc.pid == trial
+    proc.close()  # what a dead client leaves: the server kills the trial's group
+    assert _gone_within([trial, child]) == []
+
+
 def test_trial_output_status_and_environment_are_the_cold_starts(tmp_path: Path) -> None:
     script = _script(tmp_path, "probe.py", """
         import json, os, sys
@@ -249,7 +270,8 @@ def test_the_server_takes_requests_from_its_parent_only(tmp_path: Path) -> None:
     assert res.exit_code == 0 and (tmp_path / "ran").exists()
 
 
-def test_what_the_server_forked_dies_when_it_stops(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["at exit", "stage stopped"])
+def test_what_the_server_forked_dies_when_it_stops(stop: str, tmp_path: Path) -> None:
     """A process the trial forks without exec'ing and moves to its own session carries the server's
     environment, not the trial's marker: it goes when the server stops (the documented gap)."""
     script = _script(tmp_path, "daemon.py", """
@@ -268,7 +290,10 @@ def test_what_the_server_forked_dies_when_it_stops(tmp_path: Path) -> None:
     assert res.exit_code == 0
     [daemon] = _read_pids(pids_file, 1)
     assert _alive(daemon)
-    kill_host_processes()  # what a stopped stage does: every host harness and every warm server
+    if stop == "at exit":
+        warm.stop_servers()  # legorl's atexit: each server stops itself, killing what carries its marker
+    else:
+        kill_host_processes()  # what a stopped stage does: every host harness and every warm server
     assert _gone_within([daemon]) == []
     assert not warm._servers
 

@@ -1,6 +1,6 @@
 """A warm interpreter that forks one process per trial. Runs in a harness's venv, not legorl's.
 
-Usage: ``python _forkserver.py FOLDER MODULE...``. It imports the MODULEs (the slow part of a
+Usage: ``python _forkserver.py FOLDER MARKER_VAR MODULE...``. It imports the MODULEs (the slow part of a
 harness's start: litellm is ~15 s of CPU on two shared cores), refuses to serve if that left a
 thread or a socket behind (neither survives a fork intact), binds ``FOLDER/fork.sock`` (FOLDER is
 the private 0700 folder its parent made) and prints ``ready`` on stdout.
@@ -19,7 +19,9 @@ refused request.
 Lifetimes: the child is killed when the server dies (PR_SET_PDEATHSIG) and, with its whole process
 group, when its connection closes before it ends; when it ends, what is left of its group is killed
 before it is reaped (so the group id cannot have been reused). The server itself stops, killing
-every child group, when its stdin (a pipe only the parent holds) reaches EOF: the parent is gone.
+every child group and every process that carries its own run marker (its environment's MARKER_VAR:
+what a trial forked without exec'ing still shows the server's environment), when its stdin (a pipe
+only the parent holds) reaches EOF: the parent is gone.
 
 The server is single-threaded (a selector over the listening socket, the connections, the
 children's pidfds and stdin) and never makes a model call, so no client state exists to be shared:
@@ -281,14 +283,32 @@ class Server:
         with contextlib.suppress(OSError):
             os.killpg(child.pid, signal.SIGKILL)
 
-    def stop(self) -> None:
+    def stop(self, marker_var: str) -> None:
         for child in list(self.children.values()):
             self.client_gone(child)
         for child in list(self.children.values()):
             self.ended(child)
+        if os.environ.get(marker_var):
+            kill_marked(f"{marker_var}={os.environ[marker_var]}".encode())
 
 
-def main(folder: str, modules: list[str]) -> int:
+def kill_marked(entry: bytes) -> None:
+    """KILL every other process whose environment holds ``entry`` (legorl.harnesses.processes.kill_marked;
+    this file cannot import it)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as handle:
+                found = entry in handle.read().split(b"\0")
+        except OSError:
+            continue
+        if found:
+            with contextlib.suppress(OSError):
+                os.kill(int(name), signal.SIGKILL)
+
+
+def main(folder: str, marker_var: str, modules: list[str]) -> int:
     try:
         for name in modules:
             __import__(name)
@@ -304,9 +324,9 @@ def main(folder: str, modules: list[str]) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server.stop()
+        server.stop(marker_var)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))

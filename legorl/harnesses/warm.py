@@ -13,7 +13,9 @@ drives a cold ``Popen``: the same wall-clock limit, the same kill of its process
 kill of every process carrying the run's marker. A forked child's ``/proc/PID/environ`` still shows
 the server's environment, so the server itself kills the child's group when the child ends or its
 connection closes; only what the child forks without exec'ing and moves out of its group escapes
-that, until the server stops (it carries the server's own marker).
+that, until the server stops (it carries the server's own marker, and the stopping server kills what
+does). One thing a fork cannot give each trial is its own string-hash seed: it is fixed when the
+server's interpreter starts.
 
 One server per interpreter, module list and shared environment (the trial's, with every value under
 the trial folder moved to the server's own folder: HOME, the XDG and config dirs), started by the
@@ -145,7 +147,7 @@ class ForkServer:
         self._ended = threading.Event()
         with open(self.folder / "server.log", "ab") as err:
             self.proc = subprocess.Popen(
-                [key.python, str(SERVER), str(self.folder), *key.modules],
+                [key.python, str(SERVER), str(self.folder), marker[0], *key.modules],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=home,
                 env=key.environment(home) | {marker[0]: marker[1]}, start_new_session=True,
             )
