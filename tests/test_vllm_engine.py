@@ -354,3 +354,18 @@ def test_engine_options_are_checked(tiny_model: Path) -> None:
                        ({"engine": "vllm", "proxy_url": "http://x", "model": None}, "brings its own engine")):
         with pytest.raises(LegorlError, match=match):
             PolicySpec(**{"model": tiny_model, **bad}).validate()  # type: ignore[arg-type]
+
+
+def test_closing_an_engine_stops_the_server_it_owns(server, tiny_model: Path) -> None:
+    from legorl.engines.vllm_server import VLLMServer
+
+    class Recorded(VLLMServer):
+        stopped = 0
+
+        def stop(self, grace: float = 0.0) -> None:
+            Recorded.stopped += 1
+
+    _, url = server
+    asyncio.run(VLLMEngine(url).close())
+    asyncio.run(VLLMEngine(url, server=Recorded(tiny_model)).close())
+    assert Recorded.stopped == 1

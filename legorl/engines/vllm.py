@@ -128,7 +128,6 @@ class VLLMEngine:
         self._own_weights_dir = weights_dir is None
         self.reload_tolerance = reload_tolerance
         self.server = server
-        self.reloads = 0
         self._timeout = httpx.Timeout(timeout, connect=10.0)
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
@@ -297,7 +296,6 @@ class VLLMEngine:
                 await self._post(client, "/reset_prefix_cache")
             finally:
                 await self._post(client, "/resume")
-            self.reloads += 1
             await self._verify(client, checkpoint)
 
     async def verify(self, checkpoint: str | Path) -> float:
