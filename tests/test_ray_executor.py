@@ -1,6 +1,7 @@
 """``legorl rollout --executor ray`` on a real local Ray cluster (a head and two worker nodes on this
 machine): a worker node SIGKILLed mid-run loses its trial, which is retried as an infrastructure
-failure on the node left, and every trial ends in ``rollouts/`` exactly once."""
+failure on the node left, and every trial ends in ``rollouts/`` exactly once; ``legorl grade`` then
+grades a shard of them on the same cluster."""
 
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ from legorl import shards
 from legorl.engines.base import Generation, SamplingParams, TokenChunk
 from legorl.engines.scripted import ScriptedEngine
 from legorl.errors import LegorlError
-from legorl.executors import RAY_MISSING, ExecutorOptions, RayExecutor
+from legorl.executors import RAY_MISSING, ExecutorOptions, RayExecutor, Shard
 from legorl.proxy.server import ProxyServer
 from legorl.schemas import Kind, Outcome
 
 LEGORL = str(Path(sys.executable).parent / "legorl")
-SAMPLES = 4
+SAMPLES = 3  # two held on the nodes (one lost and retried), one more
 
 
 def test_missing_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,3 +170,13 @@ def test_ray_rollout_survives_a_killed_worker_node(cluster: Any, tiny_model: Pat
     lost = {line.split(": attempt ")[0] for line in result["lost"]}
     assert lost <= rows.keys() and all(rows[k].attempts >= 2 for k in lost), [rows[k].attempts for k in lost]
     assert len(left) <= len(lost)  # only the killed node's sandbox was left behind (its owner died)
+
+    # grading runs on the same executor (on the node left), here one shard of it
+    graded = subprocess.run([LEGORL, "grade", "--run", str(run), "--executor", "ray", "--address", cluster.address,
+                             "--shard", "0/2", "--json"], capture_output=True, text=True, timeout=300)
+    assert graded.returncode == 0, graded.stderr[-3000:]
+    owned = sorted(k for k in rows if Shard(0, 2).owns(k))
+    assert owned and json.loads(graded.stdout)["graded"] == len(owned)
+    grades = shards.read(run / "grades", Kind.GRADES)
+    assert grades.duplicates == 0 and sorted(grades.table.column("trial_id").to_pylist()) == owned
+    assert {g.status for g in shards.read_rows(run / "grades", Kind.GRADES)} == {"graded"}
