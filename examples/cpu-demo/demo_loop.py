@@ -47,7 +47,7 @@ MINI_SWE_AGENT_CONFIG = HERE / "mini-swe-agent.yaml"
 class DemoConfig:
     run: Path
     seed: int = 0
-    harness: str = "simple"  # or mini-swe-agent (unmodified, driven by harness_config)
+    harness: str = "mini-swe-agent"  # unmodified, driven by harness_config; or simple (legorl's driver)
     harness_config: Path | None = None  # default for mini-swe-agent: mini-swe-agent.yaml here
     # Defaults = the setting measured in examples/cpu-demo/README.md.
     steps: int = 8
@@ -58,7 +58,7 @@ class DemoConfig:
     warmup_tasks: int = 2000
     warmup_lr: float = 3e-3
     warmup_confused: int = 3  # (kind, operator) cells the demonstrator mostly gets wrong (chosen by seed)
-    warmup_wrong: float = 0.75  # how often it writes the wrong operator in those cells
+    warmup_wrong: float = 0.6  # how often it writes the wrong operator in those cells
     lr: float = 2e-4
     num_iterations: int = 2
     loss: str = "grpo"
