@@ -100,7 +100,7 @@ def test_timeout_kills_the_forked_trial_and_all_its_descendants(tmp_path: Path) 
     script = _script(tmp_path, "spawner.py", _SPAWNER)
     pids_file = tmp_path / "pids"
     log = tmp_path / "harness.log"
-    res = run_on_host(Launch([PY, str(script), str(pids_file)], _env(tmp_path), warm=("json",)), 8.0, log, tmp_path)
+    res = run_on_host(Launch([PY, str(script), str(pids_file)], _env(tmp_path), warm=("json",)), 15.0, log, tmp_path)
     assert res.timed_out, res
     assert res.exit_code is not None and res.exit_code < 0  # killed by a signal, reported by the server
     trial, group, escaped = _read_pids(pids_file, 3)
@@ -223,18 +223,20 @@ def test_the_server_dies_with_its_parent(tmp_path: Path) -> None:
         while not warm._servers:
             time.sleep(0.05)
         [server] = warm._servers.values()
-        print(server.proc.pid, flush=True)
+        print(server.proc.pid, server.folder, flush=True)
         time.sleep(300)
     """)
     proc = subprocess.Popen([PY, str(parent)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         assert proc.stdout is not None
-        server = int(proc.stdout.readline())
+        pid, where = proc.stdout.readline().split()
+        server, folder = int(pid), Path(where)
         trial, grandchild = _read_pids(pids_file, 2)
         assert all(_alive(p) for p in (server, trial, grandchild))
         proc.kill()  # no cleanup runs in the parent
         proc.wait(30)
         assert _gone_within([server, trial, grandchild]) == []
+        assert not folder.exists()  # the server removed its own folder
     finally:
         proc.kill()
         proc.wait(30)
@@ -283,6 +285,8 @@ def test_what_the_server_forked_dies_when_it_stops(stop: str, tmp_path: Path) ->
             os.rename(sys.argv[1] + ".tmp", sys.argv[1])
             time.sleep(300)
             os._exit(0)
+        while not os.path.exists(sys.argv[1]):  # out of our group before we end (our group is killed then)
+            time.sleep(0.05)
     """)
     pids_file = tmp_path / "pids"
     res = run_on_host(Launch([PY, str(script), str(pids_file)], _env(tmp_path), warm=("json",)), 60.0,

@@ -40,6 +40,7 @@ import os
 import random
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -325,6 +326,7 @@ def main(folder: str, marker_var: str, modules: list[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.stop(marker_var)
+        shutil.rmtree(folder, ignore_errors=True)  # its parent may be gone: nobody else removes it
     return 0
 
 
