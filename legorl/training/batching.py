@@ -162,7 +162,9 @@ def take(batch: dict[str, object], rows: list[int], advantage_factor: float = 1.
     for key, value in batch.items():
         piece[key] = value[index] if isinstance(value, torch.Tensor) and value.ndim > 0 else value
     if advantage_factor != 1.0:
-        piece["advantages"] = piece["advantages"] * advantage_factor  # type: ignore[operator]
+        for key in ("advantages", "trial_advantages"):  # per token, or per row until the forward folds them
+            if key in piece:
+                piece[key] = piece[key] * advantage_factor  # type: ignore[operator]
     return _trim(piece)
 
 
@@ -177,7 +179,7 @@ def pad_rows(piece: dict[str, object], rows: int) -> dict[str, object]:
     for key, value in piece.items():
         if isinstance(value, torch.Tensor) and value.ndim > 0:
             copies = value[:1].expand(extra, *value.shape[1:])
-            if key in ("tool_mask", "advantages"):
+            if key in ("tool_mask", "advantages", "trial_advantages"):
                 copies = torch.zeros_like(copies)
             value = torch.cat([value, copies])
         out[key] = value

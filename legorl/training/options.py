@@ -76,6 +76,11 @@ class TrainOptions:
     logprob_max_tokens: int = field(default=16384, metadata={"help": (
         "With padding_free: tokens per no-grad forward when recomputing old logprobs (whole segments; one "
         "longer than this is a forward of its own).")})
+    score_in_training_forward: bool = field(default=True, metadata={"help": (
+        "With num_iterations = 1 (each micro-batch is trained once, by the policy the trainer holds before "
+        "the update): take the old logprobs from the training forward itself, detached, "
+        "instead of a separate no-grad pass (TRL's on-policy shortcut; same loss and gradients, one forward "
+        "fewer). Dense models only: MoE models keep the separate pass, which watches the routing.")})
     skip_zero_advantage: bool = field(default=True, metadata={"help": (
         "Do no work on trials whose advantage is 0 (every trial of a group that scored the same): they are "
         "neither scored nor trained, a micro-batch or generation batch of them only does not run, and a step "

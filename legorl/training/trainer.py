@@ -60,6 +60,9 @@ _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime", "train_samples_per_sec
 
 # Marks a micro-batch that no process trains in: it does not run (SegmentGRPOTrainer.training_step).
 _NO_WORK = "legorl_no_work"
+# Marks a micro-batch whose old logprobs come from its own training forward (score_in_training_forward).
+_FROM_FORWARD = "legorl_old_from_forward"
+_HEALTH_VALUES = ("old", "rollout", "harness", "weight", "raw")
 
 
 def stored_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) -> list[float | None]:
@@ -107,6 +110,9 @@ class SegmentGRPOTrainer(GRPOTrainer):
         self._scoring: _Scoring | None = None
         self._held: ExitStack | None = None  # contexts that must outlive the forward (recompute in backward)
         self._generated_at: int | None = None  # the micro-step whose generation batch is buffered
+        self._fold_into: dict[str, Any] | None = None  # the micro-batch whose forward gives its old logprobs
+        self._health: tuple[list[str], list[TrainSequence]] | None = None  # harnesses, batch: figures pending
+        self._health_values: dict[str, list[torch.Tensor]] = {name: [] for name in _HEALTH_VALUES}
         self._own_keys: set[str] = set()
         dataset = Dataset.from_dict({"seq": list(range(len(data.sequences)))})
         super().__init__(
@@ -180,7 +186,10 @@ class SegmentGRPOTrainer(GRPOTrainer):
         plan = micro_batch_plan(seqs, chunks, ranks, generator, keep_trials_together=cfg.share_prefixes,
                                 by_tokens=cfg.max_tokens_per_micro_batch is not None)
         shares = [micro[self.accelerator.process_index] for micro in plan]
-        scored = self._score([seqs[i] for share in shares for i in share], totals, seqs)
+        from_forward = self.scores_in_training_forward
+        scored = self._score([seqs[i] for share in shares for i in share], totals, seqs, from_forward=from_forward)
+        if from_forward:
+            self._health = (harness_split(s.harness for s in seqs), seqs)
         per_row_loss = cfg.trl_loss_type in ("grpo", "dr_grpo")
         pieces, start = [], 0
         for micro, share in zip(plan, shares, strict=True):
@@ -194,15 +203,25 @@ class SegmentGRPOTrainer(GRPOTrainer):
             start += len(share)
         return pieces
 
+    @property
+    def scores_in_training_forward(self) -> bool:
+        """Old logprobs from each micro-batch's own training forward: every micro-batch is trained once
+        (``num_iterations == 1``) before the update, so the policy that trains it is the old policy."""
+        return self.train_config.score_in_training_forward and self.num_iterations == 1 and not self.uses_routing
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's hook, for one process: the whole batch ``inputs`` scored as one micro-batch."""
         seqs = [self.step_data.sequences[int(row["seq"])] for row in inputs]
         return self._score(seqs, BatchTotals.of(seqs), seqs)
 
-    def _score(self, seqs: list[TrainSequence], totals: BatchTotals, batch: list[TrainSequence]) -> dict[str, Any]:
+    def _score(
+        self, seqs: list[TrainSequence], totals: BatchTotals, batch: list[TrainSequence], *, from_forward: bool = False,
+    ) -> dict[str, Any]:
         """``seqs`` (this process's rows) padded, their old logprobs recomputed (routing replayed for
         MoE), the importance weights and trial weighting folded into per-token advantages; the health
-        figures recorded over ``batch``, every process's rows (gathered)."""
+        figures recorded over ``batch``, every process's rows (gathered). ``from_forward``: no
+        recompute; the training forward folds them in (:meth:`_fold`) and the figures come after the
+        batch's last micro-step."""
         device = self.accelerator.device
         cfg = self.train_config
         harnesses = harness_split(s.harness for s in batch)
@@ -219,37 +238,70 @@ class SegmentGRPOTrainer(GRPOTrainer):
             checkpointing_kwargs: Any = self.args.gradient_checkpointing_kwargs
             mask = padded.loss_mask.to(device)
             fork_keys = self._fork_keys(seqs).to(device)
-            with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
-                old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing,
-                                              padded.completion_mask.to(device) * mask, fork_keys)
-
             rollout_logps = padded.rollout_logps.to(device)
-            weights, values["weight"], values["raw"] = importance_weights(
-                old_logps, rollout_logps, mask, cfg.importance_sampling, cfg.is_cap)
             trial_advantage = torch.tensor([s.advantage * s.scale for s in seqs], dtype=torch.float32, device=device)
             if cfg.trl_loss_type == "grpo":
                 # TRL averages over sequences; a trial's segments were scaled to sum to one sequence, so
                 # averaging over trials instead is a factor sequences / trials (1 without forks).
                 trial_advantage *= totals.rows / totals.trials
-            sampled = mask > 0
-            values["old"], values["rollout"] = old_logps[sampled], rollout_logps[sampled]
             harness_of = [float(harnesses.index(s.harness)) if harnesses else 0.0 for s in seqs]
-            values["harness"] = torch.tensor(harness_of, device=device)[:, None].expand_as(mask)[sampled]
             output = {
                 "prompt_ids": padded.prompt_ids.to(device),
                 "prompt_mask": torch.ones_like(padded.prompt_ids).to(device),
                 "completion_ids": padded.completion_ids.to(device),
                 "completion_mask": padded.completion_mask.to(device),
                 "tool_mask": mask,
-                "advantages": trial_advantage[:, None] * weights,
-                "old_per_token_logps": old_logps,
                 "num_items_in_batch": torch.tensor(float(totals.sampled), device=device),
                 "fork_keys": fork_keys,
             }
             if routing is not None and self.replay:
                 output["routed_experts"] = routing
-        self._record_health(values, harnesses, watch, batch)
+            if from_forward:
+                output.update({"trial_advantages": trial_advantage, "rollout_logps": rollout_logps,
+                               "harness_ids": torch.tensor(harness_of, device=device), _FROM_FORWARD: True})
+                return output
+            with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
+                old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing,
+                                              padded.completion_mask.to(device) * mask, fork_keys)
+            weights, values["weight"], values["raw"] = importance_weights(
+                old_logps, rollout_logps, mask, cfg.importance_sampling, cfg.is_cap)
+            sampled = mask > 0
+            values["old"], values["rollout"] = old_logps[sampled], rollout_logps[sampled]
+            values["harness"] = torch.tensor(harness_of, device=device)[:, None].expand_as(mask)[sampled]
+            output.update({"advantages": trial_advantage[:, None] * weights, "old_per_token_logps": old_logps})
+        if not from_forward:
+            self._record_health(values, harnesses, watch, batch)
         return output
+
+    def _fold(self, inputs: dict[str, Any], logps: torch.Tensor) -> None:
+        """A micro-batch's old logprobs are its training forward's, detached: TRL then uses them as
+        ``old_per_token_logps`` (ratio 1); the importance weights against the rollout and the per-token
+        advantages are made from them here, before TRL's loss reads them, and their figures kept for
+        the end of the batch."""
+        cfg = self.train_config
+        old, mask = logps.detach(), inputs["tool_mask"]
+        weights, weight, raw = importance_weights(old, inputs["rollout_logps"], mask, cfg.importance_sampling,
+                                                  cfg.is_cap)
+        inputs["advantages"] = inputs["trial_advantages"][:, None] * weights
+        sampled = mask > 0
+        if cfg.importance_sampling == "sequence":  # one weight per row: not the rows that only pad the piece
+            trained = sampled.any(-1)
+            weight, raw = weight[trained], raw[trained]
+        harness = inputs["harness_ids"][:, None].expand_as(mask)[sampled]
+        for name, value in zip(_HEALTH_VALUES, (old[sampled], inputs["rollout_logps"][sampled], harness, weight, raw),
+                               strict=True):
+            self._health_values[name].append(value)
+
+    def _flush_health(self) -> None:
+        """After a generation batch's last micro-step: the figures of the old logprobs its forwards gave."""
+        if self._health is None or self._step % self.steps_per_generation:
+            return
+        device = self.accelerator.device
+        values = {name: torch.cat(parts) if parts else torch.zeros(0, device=device)
+                  for name, parts in self._health_values.items()}
+        harnesses, batch = self._health
+        self._health, self._health_values = None, {name: [] for name in _HEALTH_VALUES}
+        self._record_health(values, harnesses, RoutingWatch(), batch)
 
     def _record_health(
         self, local: dict[str, torch.Tensor], harnesses: list[str], watch: RoutingWatch, batch: list[TrainSequence]
@@ -352,10 +404,13 @@ class SegmentGRPOTrainer(GRPOTrainer):
         """TRL's, unless ``_compute_loss`` packed the batch: then only the sampled positions are scored."""
         scoring = self._scoring
         if scoring is None:
-            return super()._get_per_token_logps_and_entropies(
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **kwargs,
             )
+            if self._fold_into is not None:
+                self._fold(self._fold_into, logps)
+            return logps, entropies, aux
         if scoring.packed.rows != input_ids.shape[0]:
             raise LegorlError(f"packed {scoring.packed.rows} rows but asked to score {input_ids.shape[0]}")
         with self.accelerator.autocast():
@@ -365,6 +420,8 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 compute_aux_loss=compute_aux_loss, cast_lm_head_to_fp32=self.train_config.cast_lm_head_to_fp32,
                 forward_through=model,  # the DDP wrapper under accelerate launch: it syncs the gradients
             )
+        if self._fold_into is not None:
+            self._fold(self._fold_into, scored.logps)
         return scored.logps, scored.entropies, scored.aux_loss
 
     @contextmanager
@@ -401,6 +458,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
         model.train()  # what Trainer.training_step does first; the look ahead needs it too
         if self._prepare_inputs(inputs).get(_NO_WORK):
             self._step += 1  # TRL's micro-step count, as its training_step would
+            self._flush_health()
             return torch.zeros((), device=self.accelerator.device)
         with ExitStack() as held:
             self._held = held
@@ -408,6 +466,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
             finally:
                 self._held = None
+        self._flush_health()
         return loss
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -432,10 +491,11 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 self.forward_tokens += int(completion_mask.numel()) + int(prompt_mask.numel())
                 self.padding_tokens += int((completion_mask == 0).sum())
             held.enter_context(self.routing_context(routing))
+            self._fold_into = inputs if inputs.get(_FROM_FORWARD) else None
             try:
                 loss: torch.Tensor = super()._compute_loss(model, inputs)
             finally:
-                self._scoring = None
+                self._scoring = self._fold_into = None
         return loss
 
     # ------------------------------------------------------------------ metrics and state
