@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -161,7 +162,7 @@ class RayExecutor:
             try:
                 # log_to_driver off: the workers' and raylets' lines would land in this process's
                 # stdout (a --json answer); they stay in the cluster's log files
-                ray.init(address=self.address, logging_level="warning", log_to_driver=False)
+                ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
             except (ConnectionError, ValueError, RuntimeError) as exc:
                 raise LegorlError(f"--address {self.address or '(none)'}: cannot join a Ray cluster "
                                   f"({_first_line(exc)})") from None
