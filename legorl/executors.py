@@ -136,8 +136,8 @@ class RayExecutor:
     """Each job a Ray task (``num_cpus`` each) on the cluster at ``address``.
 
     ``address`` is what ``ray.init`` takes: ``"auto"`` (the cluster this machine belongs to),
-    ``HOST:PORT``, ``ray://HOST:PORT``, or None (``RAY_ADDRESS``, else a cluster started here for
-    this run). Ray's own task retries are off: a lost task goes back to the :class:`Work`, which
+    ``HOST:PORT``, ``ray://HOST:PORT``, or None (what ``ray.init()`` finds: ``RAY_ADDRESS``, a cluster
+    ``ray start`` began on this machine; else a Ray started here for this run, stopped at its end). Ray's own task retries are off: a lost task goes back to the :class:`Work`, which
     decides (and the stage counts it against its retries).
     """
 
@@ -226,8 +226,8 @@ class ExecutorOptions:
         "Where the jobs run: local (threads in this process) or ray (Ray tasks on a cluster's nodes; "
         "needs legorl's ray extra).")})
     address: str | None = field(default=None, metadata={"help": (
-        "Ray cluster for --executor ray: auto, HOST:PORT or ray://HOST:PORT (default: RAY_ADDRESS, "
-        "else a Ray started here for this run).")})
+        "Ray cluster for --executor ray: auto, HOST:PORT or ray://HOST:PORT (default: RAY_ADDRESS or a "
+        "cluster started on this machine, else a Ray started here for this run).")})
     shard: Shard | None = field(default=None, metadata={"parse": Shard.parse, "help": (
         "Only shard i of n (i/n, 0 <= i < n) of the jobs, by a stable hash of each job's key: n processes "
         "over one run directory (a SLURM array, a Kubernetes indexed Job) split it without overlap.")})

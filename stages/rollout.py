@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,7 @@ class RemoteTrials(_TrialWork):
     """Trials on executor workers, each process with its own runner, reaching the proxy by URL."""
 
     def __init__(self, cfg: RolloutConfig, proxy_url: str, api_key: str | None):
-        super().__init__(cfg)
+        super().__init__(replace(cfg, run=Path(cfg.run).resolve()))  # workers have other cwds
         self.proxy_url = proxy_url
         self.api_key = api_key
 
