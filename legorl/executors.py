@@ -116,13 +116,14 @@ class LocalExecutor:
         pool.shutdown(wait=True)
 
 
-# One runner per (run, worker process): a Ray worker process is reused across tasks.
+# The runner of the latest run a Ray worker process served: the process is reused across tasks.
 _RUNNERS: dict[str, Callable[[Any, int], Any]] = {}
 
 
 def _run_on_worker(token: str, work: Work[Any, Any], job: Any, lost: int) -> Any:
     run = _RUNNERS.get(token)
     if run is None:
+        _RUNNERS.clear()  # an earlier run's (a loop's previous step): not kept for ever
         run = _RUNNERS[token] = work.runner()
     return run(job, lost)
 
@@ -136,8 +137,9 @@ class RayExecutor:
     """Each job a Ray task (``num_cpus`` each) on the cluster at ``address``.
 
     ``address`` is what ``ray.init`` takes: ``"auto"`` (the cluster this machine belongs to),
-    ``HOST:PORT``, ``ray://HOST:PORT``, or None (what ``ray.init()`` finds: ``RAY_ADDRESS``, a cluster
-    ``ray start`` began on this machine; else a Ray started here for this run, stopped at its end). Ray's own task retries are off: a lost task goes back to the :class:`Work`, which
+    ``HOST:PORT``, ``ray://HOST:PORT``, or None (what ``ray.init()`` finds: ``RAY_ADDRESS``, a
+    cluster ``ray start`` began on this machine; else a Ray started here for this run, stopped at
+    its end). Ray's own task retries are off: a lost task goes back to the :class:`Work`, which
     decides (and the stage counts it against its retries).
     """
 

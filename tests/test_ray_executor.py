@@ -29,8 +29,12 @@ from legorl.engines.base import Generation, SamplingParams, TokenChunk
 from legorl.engines.scripted import ScriptedEngine
 from legorl.errors import LegorlError
 from legorl.executors import RAY_MISSING, ExecutorOptions, RayExecutor, Shard
+from legorl.grading.grader import GradeOptions
 from legorl.proxy.server import ProxyServer
-from legorl.schemas import Kind, Outcome
+from legorl.schemas import Kind, Outcome, TaskRow
+from legorl.stages.grade import Grading, Job
+from legorl.stages.rollout import RemoteTrials, RolloutConfig
+from legorl.trials import TrialJob
 
 LEGORL = str(Path(sys.executable).parent / "legorl")
 SAMPLES = 3  # two held on the nodes (one lost and retried), one more
@@ -42,6 +46,27 @@ def test_missing_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
         next(RayExecutor("auto").map(None, [1], 1))  # type: ignore[arg-type]
     assert str(err.value) == RAY_MISSING
     assert isinstance(ExecutorOptions(executor="ray").make_executor(), RayExecutor)
+
+
+def test_a_lost_job_runs_again_within_its_retries_then_is_infra(tmp_path: Path) -> None:
+    """What the driver does with a job whose worker was lost (no cluster needed): the trial runs
+    again while its retries last (the attempt numbering goes on), then is an infrastructure row."""
+    cfg = RolloutConfig(run=tmp_path / "run", harnesses=["simple"], retries=1, backoff_s=0.5, executor="ray")
+    trials = RemoteTrials(cfg, "http://127.0.0.1:9", None)
+    assert trials.cfg.run.is_absolute()
+    job = TrialJob(TaskRow(instance_id="t-1"), "simple", 3)
+    assert trials.lost(job, "ray worker lost (NodeDiedError: gone)", 1) is None
+    assert trials.backoff_s(1) == 0.5 and trials.backoff_s(2) == 1.0
+    row = trials.lost(job, "ray worker lost (NodeDiedError: gone)", 2)
+    assert row is not None and row.trial_id == "t-1/simple/step0/sample3"
+    assert row.infra_failure and row.outcome == Outcome.INFRA_ERROR and row.attempts == 2 and not row.segments
+    assert row.error == "ray worker lost (NodeDiedError: gone)" and len(trials.lost_log) == 2
+
+    grading = Grading(GradeOptions())
+    item = (TaskRow(instance_id="t-1"), Job("t-1/simple/step0/sample3", "t-1", "diff", "simple", 0))
+    assert [grading.lost(item, "lost", n) for n in (1, 2)] == [None, None]
+    grade = grading.lost(item, "lost", 3)
+    assert grade is not None and grade.infra_failure and grade.status == "infra_error" and grade.reward is None
 
 
 class HeldEngine(ScriptedEngine):
