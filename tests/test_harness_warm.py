@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -130,6 +131,37 @@ def test_a_forked_trial_dies_with_its_connection(tmp_path: Path) -> None:
     assert proc.pid == trial
     proc.close()  # what a dead client leaves: the server kills the trial's group
     assert _gone_within([trial, child]) == []
+
+
+def test_a_server_killed_under_a_trial_is_legorls_failure_and_takes_the_trial(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sleeper.py", """
+        import os, subprocess, sys, time
+        child = subprocess.Popen(["sleep", "300"])
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {child.pid}\\n")
+        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+        time.sleep(300)
+    """)
+    pids_file = tmp_path / "pids"
+    failed: list[BaseException] = []
+
+    def trial() -> None:
+        try:
+            run_on_host(Launch([PY, str(script), str(pids_file)], _env(tmp_path), warm=("json",)), 300.0,
+                        tmp_path / "log", tmp_path)
+        except BaseException as exc:
+            failed.append(exc)
+
+    worker = threading.Thread(target=trial)
+    worker.start()
+    pids = _read_pids(pids_file, 2)
+    [server] = warm._servers.values()
+    os.kill(server.proc.pid, signal.SIGKILL)
+    worker.join(60)
+    assert not worker.is_alive()
+    # not the agent's doing: a plain exception, which the trial runner records as infrastructure
+    assert len(failed) == 1 and isinstance(failed[0], warm.WarmStartError), failed
+    assert _gone_within(pids) == []
 
 
 def test_trial_output_status_and_environment_are_the_cold_starts(tmp_path: Path) -> None:

@@ -107,13 +107,10 @@ class WarmProcess:
             return self.returncode
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buf:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            self._conn.settimeout(left)
+            self._conn.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
             try:
                 chunk = self._conn.recv(4096)
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: nothing yet, at timeout 0
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
             except OSError:
                 chunk = b""
@@ -145,12 +142,16 @@ class ForkServer:
         self.started = False  # it once took requests
         self._ready = threading.Event()
         self._ended = threading.Event()
-        with open(self.folder / "server.log", "ab") as err:
-            self.proc = subprocess.Popen(
-                [key.python, str(SERVER), str(self.folder), marker[0], *key.modules],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=home,
-                env=key.environment(home) | {marker[0]: marker[1]}, start_new_session=True,
-            )
+        try:
+            with open(self.folder / "server.log", "ab") as err:
+                self.proc = subprocess.Popen(
+                    [key.python, str(SERVER), str(self.folder), marker[0], *key.modules],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=home,
+                    env=key.environment(home) | {marker[0]: marker[1]}, start_new_session=True,
+                )
+        except OSError:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
         threading.Thread(target=self._watch, name="fork-server", daemon=True).start()
 
     @property
@@ -171,6 +172,8 @@ class ForkServer:
             else:
                 self.failure = first.removeprefix("error: ") or f"exited before it was ready: {self._log_tail()}"
             self.proc.stdout.read()  # EOF: the server is gone
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
         finally:
             self.failure = self.failure or "the fork server exited"
             self._ended.set()
@@ -250,7 +253,12 @@ def server_for(python: str, modules: tuple[str, ...], env: Mapping[str, str], tr
             return None
         server = _servers.get(key)
         if server is None or server.ended:
-            server = _servers[key] = ForkServer(key, (marker_var, secrets.token_hex(8)))
+            try:
+                server = _servers[key] = ForkServer(key, (marker_var, secrets.token_hex(8)))
+            except OSError as exc:  # e.g. the interpreter is missing: the cold start will say so too
+                _failed[key] = reason = f"{type(exc).__name__}: {exc}"
+                log.warning("warm start of %s unavailable, its trials start cold: %s", python, reason)
+                return None
     try:
         server.wait_ready(wait_s)
     except WarmStartError as exc:
