@@ -6,8 +6,9 @@ per update, ``num_iterations=1``. The plain trainer gets the sequences through T
 ``rollout_func`` (prompt = tokens before the first sampled one, completion = the rest, with
 ``env_mask`` = the loss mask) and its rewards through a reward function. TRL pads prompts on the left
 and completions on the right, so its batch is ``max prompt + max completion`` wide; legorl cuts every
-row at the same place and pads only on the right. legorl also recomputes the old logprobs for its
-importance weights and fidelity metrics (one extra no-grad forward) where plain TRL skips them.
+row at the same place and pads only on the right. legorl also needs the old logprobs for its
+importance weights and fidelity metrics: with ``num_iterations=1`` it takes them from the training
+forward itself, as plain TRL does (``legorl 2-pass``: with the separate no-grad pass this replaced).
 
 tokens/s counts real (non-padding) tokens per update over wall time.
 
@@ -323,14 +324,19 @@ def main() -> None:
         trl_wall, trl_tokens, trl_waste = run_plain_trl(model_dir, data, args.group_size, args.updates,
                                                         Path(tmp) / "trl")
         lg_wall, lg_tokens, lg_waste = run_legorl(model_dir, data, args.updates, Path(tmp) / "legorl")
-    trl_tps, lg_tps = trl_tokens / trl_wall, lg_tokens / lg_wall
+        # The path before the old logprobs came from the training forward: a separate no-grad pass.
+        two_wall, two_tokens, two_waste = run_legorl(model_dir, data, args.updates, Path(tmp) / "legorl-2",
+                                                     score_in_training_forward=False)
+    trl_tps, lg_tps, two_tps = trl_tokens / trl_wall, lg_tokens / lg_wall, two_tokens / two_wall
     seqs = len(data.sequences)
     print(f"model {model_dir}  batch {seqs} sequences ({args.groups} groups x {args.group_size}), "
           f"{args.updates} updates, {args.threads} thread(s)")
     print(f"{'':14s}{'tokens/s':>10s}{'wall s':>9s}{'real tokens':>13s}{'padding waste':>15s}")
     print(f"{'plain TRL':14s}{trl_tps:10.0f}{trl_wall:9.2f}{trl_tokens:13d}{trl_waste:15.1%}")
     print(f"{'legorl':14s}{lg_tps:10.0f}{lg_wall:9.2f}{lg_tokens:13d}{lg_waste:15.1%}")
+    print(f"{'legorl 2-pass':14s}{two_tps:10.0f}{two_wall:9.2f}{two_tokens:13d}{two_waste:15.1%}")
     print(f"ratio legorl / plain TRL: {lg_tps / trl_tps:.2f}x")
+    print(f"ratio legorl / legorl with a separate scoring pass: {lg_tps / two_tps:.2f}x")
 
 
 if __name__ == "__main__":
