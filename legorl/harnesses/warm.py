@@ -137,6 +137,7 @@ class ForkServer:
         home = self.folder / "trial"
         home.mkdir()
         self.key = key
+        self.owner = os.getpid()  # the server serves this process only (a fork of it starts its own)
         self.marker = marker[1]
         self.failure: str | None = None
         self.started = False  # it once took requests
@@ -252,7 +253,7 @@ def server_for(python: str, modules: tuple[str, ...], env: Mapping[str, str], tr
         if key in _failed:
             return None
         server = _servers.get(key)
-        if server is None or server.ended:
+        if server is None or server.ended or server.owner != os.getpid():
             try:
                 server = _servers[key] = ForkServer(key, (marker_var, secrets.token_hex(8)))
             except OSError as exc:  # e.g. the interpreter is missing: the cold start will say so too
@@ -278,7 +279,7 @@ def server_for(python: str, modules: tuple[str, ...], env: Mapping[str, str], tr
 def stop_servers() -> list[str]:
     """Stop every fork server of this process; their run markers (what they forked carries them)."""
     with _mu:
-        servers = list(_servers.values())
+        servers = [server for server in _servers.values() if server.owner == os.getpid()]
         _servers.clear()
     for server in servers:
         server.close()
