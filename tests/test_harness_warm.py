@@ -3,8 +3,10 @@ heavy modules (legorl/harnesses/warm.py, _forkserver.py).
 
 A real mini-swe-agent trial through the warm path ends as the cold one does and reaches the model
 sooner; concurrent forked trials share no state; a timeout kills the forked trial and everything it
-started (a ``setsid`` child too); the server dies with its parent, takes requests from its parent
-only, and a server that cannot start leaves its trials to the cold path with the reason logged.
+started (a ``setsid`` child too), and so does closing its connection or killing the server under
+it; the server dies with its parent, takes requests from its parent only, kills what it forked
+when it stops, and a server that cannot start leaves its trials to the cold path with the reason
+logged.
 """
 
 from __future__ import annotations
