@@ -129,9 +129,8 @@ def rollout_stage(
         raise ConfigError(f"--executor {cfg.executor}: workers make their own sandboxes (no sandbox factory)")
     if not remote:
         _prepare_host(cfg, jobs, install_images=create is None)
-    work: _TrialWork = (RemoteTrials(cfg, *_proxy_address(proxy)) if remote
+    work: _TrialWork = (RemoteTrials(cfg, proxy.model, *_proxy_address(proxy)) if remote
                         else LocalTrials(cfg, TrialRunner(cfg, proxy, create)))
-    work.model = proxy.model
     start = time.monotonic()
     engine = getattr(proxy, "engine", None)
     busy0 = engine.busy_seconds() if isinstance(engine, WatchedEngine) else None
@@ -174,9 +173,9 @@ def _proxy_address(proxy: ProxyHandle) -> tuple[str, str | None]:
 class _TrialWork(Work[TrialJob, TrialRow]):
     """The trials as executor work; a trial lost with its worker counts against its retries."""
 
-    def __init__(self, cfg: RolloutConfig):
+    def __init__(self, cfg: RolloutConfig, model: str):
         self.cfg = cfg
-        self.model: str | None = None
+        self.model = model  # the proxy's, for the rows of trials lost for good
         self.lost_log: list[str] = []
 
     def lost(self, job: TrialJob, error: str, attempts: int) -> TrialRow | None:
@@ -198,7 +197,7 @@ class LocalTrials(_TrialWork):
     """Trials in this process, on the stage's own runner (and its proxy handle)."""
 
     def __init__(self, cfg: RolloutConfig, runner: TrialRunner):
-        super().__init__(cfg)
+        super().__init__(cfg, runner.proxy.model)
         self.trial_runner = runner
 
     def runner(self) -> Callable[[TrialJob, int], TrialRow]:
@@ -212,8 +211,8 @@ class LocalTrials(_TrialWork):
 class RemoteTrials(_TrialWork):
     """Trials on executor workers, each process with its own runner, reaching the proxy by URL."""
 
-    def __init__(self, cfg: RolloutConfig, proxy_url: str, api_key: str | None):
-        super().__init__(replace(cfg, run=Path(cfg.run).resolve()))  # workers have other cwds
+    def __init__(self, cfg: RolloutConfig, model: str, proxy_url: str, api_key: str | None):
+        super().__init__(replace(cfg, run=Path(cfg.run).resolve()), model)  # workers have other cwds
         self.proxy_url = proxy_url
         self.api_key = api_key
 

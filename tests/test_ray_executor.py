@@ -52,7 +52,7 @@ def test_a_lost_job_runs_again_within_its_retries_then_is_infra(tmp_path: Path) 
     """What the driver does with a job whose worker was lost (no cluster needed): the trial runs
     again while its retries last (the attempt numbering goes on), then is an infrastructure row."""
     cfg = RolloutConfig(run=tmp_path / "run", harnesses=["simple"], retries=1, backoff_s=0.5, executor="ray")
-    trials = RemoteTrials(cfg, "http://127.0.0.1:9", None)
+    trials = RemoteTrials(cfg, "policy", "http://127.0.0.1:9", None)
     assert trials.cfg.run.is_absolute()
     job = TrialJob(TaskRow(instance_id="t-1"), "simple", 3)
     assert trials.lost(job, "ray worker lost (NodeDiedError: gone)", 1) is None
@@ -60,7 +60,7 @@ def test_a_lost_job_runs_again_within_its_retries_then_is_infra(tmp_path: Path) 
     row = trials.lost(job, "ray worker lost (NodeDiedError: gone)", 2)
     assert row is not None and row.trial_id == "t-1/simple/step0/sample3"
     assert row.infra_failure and row.outcome == Outcome.INFRA_ERROR and row.attempts == 2 and not row.segments
-    assert row.error == "ray worker lost (NodeDiedError: gone)" and len(trials.lost_log) == 2
+    assert row.error == "ray worker lost (NodeDiedError: gone)" and row.model == "policy" and len(trials.lost_log) == 2
 
     grading = Grading(GradeOptions())
     item = (TaskRow(instance_id="t-1"), Job("t-1/simple/step0/sample3", "t-1", "diff", "simple", 0))
