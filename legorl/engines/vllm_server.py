@@ -187,6 +187,7 @@ class VLLMServer:
         model_dir: str | Path,
         *,
         name: str | None = None,
+        tokenizer: str | Path | None = None,
         dtype: str = "float32",
         max_model_len: int | None = None,
         max_num_seqs: int = MAX_NUM_SEQS,
@@ -197,6 +198,7 @@ class VLLMServer:
     ):
         self.model_dir = Path(model_dir)
         self.name = name or self.model_dir.name
+        self.tokenizer = Path(tokenizer) if tokenizer is not None else None  # default: the model's own
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -221,6 +223,8 @@ class VLLMServer:
                "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enforce-eager"]
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.tokenizer is not None:
+            cmd += ["--tokenizer", str(self.tokenizer)]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -300,8 +304,8 @@ class VLLMServer:
 
 
 def vllm_engine(model_dir: Path, upstream: str | None = None, *, name: str | None = None,
-                dtype: str | None = None, max_num_seqs: int | None = None, max_context: int | None = None,
-                reload_tolerance: float | None = None) -> VLLMEngine:
+                tokenizer: Path | None = None, dtype: str | None = None, max_num_seqs: int | None = None,
+                max_context: int | None = None, reload_tolerance: float | None = None) -> VLLMEngine:
     """The engine on ``upstream`` (an existing server), or on a server started here on ``model_dir``
     (stopped when the engine is closed)."""
     from legorl.engines.vllm import VLLMEngine
@@ -309,8 +313,8 @@ def vllm_engine(model_dir: Path, upstream: str | None = None, *, name: str | Non
     tolerance = reload_tolerance if reload_tolerance is not None else DEFAULT_TOLERANCE
     if upstream is not None:
         return VLLMEngine(upstream, name=name, max_context=max_context, reload_tolerance=tolerance)
-    server = VLLMServer(model_dir, name=name, dtype=dtype or "float32", max_model_len=max_context,
-                        max_num_seqs=max_num_seqs or MAX_NUM_SEQS)
+    server = VLLMServer(model_dir, name=name, tokenizer=tokenizer, dtype=dtype or "float32",
+                        max_model_len=max_context, max_num_seqs=max_num_seqs or MAX_NUM_SEQS)
     server.start()
     try:
         return server.engine(reload_tolerance=tolerance)

@@ -80,8 +80,8 @@ def _engine(spec: PolicySpec, model: Path) -> Engine:
     if spec.engine == "vllm":
         from legorl.engines.vllm_server import vllm_engine
 
-        return vllm_engine(model, spec.upstream, name=spec.engine_name, max_context=spec.max_context,
-                           reload_tolerance=spec.reload_tolerance)
+        return vllm_engine(model, spec.upstream, name=spec.engine_name, tokenizer=spec.tokenizer,
+                           max_context=spec.max_context, reload_tolerance=spec.reload_tolerance)
     from legorl.engines.embedded import EmbeddedEngine
 
     return EmbeddedEngine(model, name=spec.engine_name, max_context=spec.max_context)
