@@ -228,3 +228,22 @@ def test_inspect_and_health_show_the_staleness_of_a_versioned_run(tmp_path: Path
     shards.write(unversioned / "rollouts", Kind.ROLLOUTS, [_row(0, [(0, 2, 3, None)])])
     (old,) = inspect_path(unversioned)["datasets"]
     assert "staleness" not in old["breakdown"] and health_summary(unversioned)["staleness"] is None
+
+
+def test_the_loop_refuses_a_step_with_stale_trials_and_writes_its_figures_once(tmp_path: Path) -> None:
+    from legorl.flows.online import _held_to_bound, _write_staleness
+    from legorl.paths import RunDir
+
+    run = RunDir.at(tmp_path)
+    rows = [_row(2, [(0, 2, 3, 2)]), _row(2, [(0, 2, 3, 0)])]
+    rows[1].sample_index, rows[1].trial_id = 1, "t/h/step2/sample1"
+    shards.write(run.rollouts, Kind.ROLLOUTS, rows)
+    figures = _held_to_bound(run, 2, provenance.Staleness(2))
+    assert figures[provenance.MAX_LAG] == 2.0 and figures[provenance.TRIALS_STALE] == 0.0
+    with pytest.raises(LegorlError, match=r"step 2: 1 trial\(s\) were sampled more than --max-staleness 1 versions "
+                                          r"back \(first: t/h/step2/sample1; largest lag 2\).*--max-staleness 2"):
+        _held_to_bound(run, 2, provenance.Staleness(1))
+    _write_staleness(run, 2, figures)
+    _write_staleness(run, 2, figures)  # a rerun after a kill between the write and the step's end
+    written = shards.read_rows(run.metrics, Kind.METRICS)
+    assert sorted(m.key for m in written) == sorted(figures) and {m.stage for m in written} == {"loop"}
