@@ -212,7 +212,9 @@ class RemoteTrials(_TrialWork):
     """Trials on executor workers, each process with its own runner, reaching the proxy by URL."""
 
     def __init__(self, cfg: RolloutConfig, model: str, proxy_url: str, api_key: str | None):
-        super().__init__(replace(cfg, run=Path(cfg.run).resolve()), model)  # workers have other cwds
+        # the paths as absolute ones: workers run in other directories
+        config = Path(cfg.harness_config).resolve() if cfg.harness_config is not None else None
+        super().__init__(replace(cfg, run=Path(cfg.run).resolve(), harness_config=config), model)
         self.proxy_url = proxy_url
         self.api_key = api_key
 
