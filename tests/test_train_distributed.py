@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -70,9 +71,20 @@ def _train(run: RunDir, model: Path, tmp: Path, processes: int, micro_batches: i
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_ip", "127.0.0.1", "--main_process_port", "0", *train]
-    done = subprocess.run(command, env=_env(tmp), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
-                          start_new_session=True)
-    assert done.returncode == 0, f"{processes} process(es) failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    # Its own process group: on a timeout the launcher and the workers it started are killed together.
+    proc = subprocess.Popen(command, env=_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, f"{processes} process(es) failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return copy
 
 
