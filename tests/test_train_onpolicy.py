@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from train_support import TrialSpec, run_fixture
 
 from legorl import metric_keys as mk
