@@ -114,8 +114,9 @@ def run_on_host(launch: Launch, timeout_s: float, log: Path, cwd: Path) -> ProcR
 def _start(launch: Launch, env: dict[str, str], out: BinaryIO, cwd: Path, timeout_s: float) -> HostProcess:
     """Fork the launch from a warm interpreter when it asks for one and one is available, else start it cold."""
     if launch.warm and len(launch.argv) >= 2:
-        # waiting for a starting server is the trial's time (as a cold start's imports are): at most half of it
-        server = warm.server_for(launch.argv[0], launch.warm, launch.env, cwd, RUN_MARKER, wait_s=timeout_s / 2)
+        # Waiting for a starting server is the trial's time, as a cold start's imports are, and may take
+        # all of it: starting cold meanwhile would import the same modules twice on the same cores.
+        server = warm.server_for(launch.argv[0], launch.warm, launch.env, cwd, RUN_MARKER, wait_s=timeout_s)
         if server is not None:
             try:
                 return server.spawn(launch.argv, env, cwd, out.fileno())

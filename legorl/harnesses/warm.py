@@ -48,6 +48,7 @@ SERVER = Path(__file__).with_name("_forkserver.py")
 SWITCH = "LEGORL_WARM_START"
 _SOCKET_NAME = "fork.sock"  # _forkserver.SOCKET_NAME (that module runs in another interpreter)
 _REPLY_TIMEOUT_S = 60.0
+START_LIMIT_S = 600.0  # a server still importing after this long is taken as hung
 
 log = logging.getLogger("legorl.harnesses")
 
@@ -141,6 +142,7 @@ class ForkServer:
         self.marker = marker[1]
         self.failure: str | None = None
         self.started = False  # it once took requests
+        self.born = time.monotonic()
         self._ready = threading.Event()
         self._ended = threading.Event()
         try:
@@ -263,14 +265,15 @@ def server_for(python: str, modules: tuple[str, ...], env: Mapping[str, str], tr
     try:
         server.wait_ready(wait_s)
     except WarmStartError as exc:
-        if server.ended and not server.started:  # it cannot start: trials of this kind start cold from now on
+        hung = not server.ended and time.monotonic() - server.born > START_LIMIT_S
+        if (server.ended and not server.started) or hung:  # it cannot start: trials of this kind start cold
             with _mu:
                 if _servers.get(key) is server:
                     del _servers[key]
                     _failed[key] = str(exc)
             log.warning("warm start of %s unavailable, its trials start cold: %s", python, exc)
             server.close()
-        else:  # slow to start (a loaded machine): this trial starts cold, later ones wait for it again
+        else:  # still starting (a loaded machine) when the trial's time ran out: later trials wait for it again
             log.warning("warm start of %s: %s; this trial starts cold", python, exc)
         return None
     return server
