@@ -62,10 +62,14 @@ class ConfigOptions:
         return self.prefix.replace("-", "_") + f.name
 
     def flags(self, f: dataclasses.Field[Any]) -> list[str]:
-        """``--field-name`` first, then the field's aliases; each with the prefix."""
+        """``--field-name`` first (``--field-name/--no-field-name`` for a bool, so one that defaults to
+        on can be turned off), then the field's aliases; each with the prefix."""
         aliases = f.metadata.get(ALIASES) or []
         names = ["--" + f.name.replace("_", "-"), *([aliases] if isinstance(aliases, str) else aliases)]
-        return ["--" + self.prefix + n.removeprefix("--") for n in names]
+        flags = ["--" + self.prefix + n.removeprefix("--") for n in names]
+        if _hint(self.cls, f) is bool:
+            flags[0] += "/--" + self.prefix + "no-" + flags[0].removeprefix("--" + self.prefix)
+        return flags
 
     def parameters(self) -> list[inspect.Parameter]:
         params = []

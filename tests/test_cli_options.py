@@ -80,6 +80,32 @@ def test_fields_become_options_with_their_types_defaults_and_help() -> None:
     assert "[default: 1]" in help_text and "a,b" in help_text
 
 
+@dataclass
+class Switches:
+    on: bool = field(default=True, metadata={"help": "Defaults to on."})
+    off: bool = field(default=False, metadata={"help": "Defaults to off."})
+
+
+def test_bool_options_turn_both_ways() -> None:
+    seen: list[Switches] = []
+    app = typer.Typer()
+
+    @app.command("main")
+    @with_configs(cfg=ConfigOptions(Switches))
+    def main(cfg: Switches) -> None:
+        seen.append(cfg)
+
+    @app.command()
+    def other() -> None:
+        pass
+
+    for args, expected in (([], Switches()), (["--no-on", "--off"], Switches(on=False, off=True)),
+                           (["--on", "--no-off"], Switches())):
+        result = CliRunner().invoke(app, ["main", *args])
+        assert result.exit_code == 0, result.output
+        assert seen[-1] == expected
+
+
 def test_defaults_come_from_the_dataclass() -> None:
     app, seen = _app(cfg=ConfigOptions(Sample))
     result = CliRunner().invoke(app, ["main", "--run", "r"])

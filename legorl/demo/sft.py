@@ -79,10 +79,10 @@ def mini_swe_agent_format(config: Path, python: str | None = None) -> AgentForma
 
     try:
         agent = (yaml.safe_load(Path(config).read_text()) or {})["agent"]
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-        system = env.from_string(agent["system_template"]).render()
+        jinja = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        system = jinja.from_string(agent["system_template"]).render()
         marker = "\x00TASK\x00"
-        instance = env.from_string(agent["instance_template"]).render(task=marker).replace(marker, "{task}")
+        instance = jinja.from_string(agent["instance_template"]).render(task=marker).replace(marker, "{task}")
     except (OSError, KeyError, TypeError, yaml.YAMLError, jinja2.TemplateError) as e:
         raise ConfigError(f"{config}: not a mini-swe-agent config the demo can render "
                           f"(agent.system_template / agent.instance_template using only {{{{task}}}}): {e}") from e
