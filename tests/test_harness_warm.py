@@ -336,14 +336,18 @@ def test_what_the_server_forked_dies_when_it_stops(stop: str, tmp_path: Path) ->
     assert not warm._servers
 
 
-def test_a_server_that_cannot_start_leaves_trials_cold(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_server_that_cannot_start_leaves_trials_cold(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "threaded.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), "
                                           "daemon=True).start()\n")
+    (tmp_path / "hangs.py").write_text("import time\ntime.sleep(300)\n")
+    monkeypatch.setattr(warm, "START_LIMIT_S", 3.0)  # a server still importing after it is taken as hung
     script = _script(tmp_path, "hello.py", "import os; print('hello', os.getppid())\n")
     env = _env(tmp_path, PYTHONPATH=str(tmp_path))  # outside the trial folder: the server gets it as it is
     trial = tmp_path / "trial"
     trial.mkdir()
-    for module, reason in (("no_such_module_for_legorl", "ModuleNotFoundError"), ("threaded", "threads after")):
+    for module, reason in (("no_such_module_for_legorl", "ModuleNotFoundError"), ("threaded", "threads after"),
+                           ("hangs", "not ready within 3 s")):
         caplog.clear()
         log = tmp_path / f"{module}.log"
         with caplog.at_level(logging.WARNING, logger="legorl.harnesses"):
@@ -355,6 +359,7 @@ def test_a_server_that_cannot_start_leaves_trials_cold(tmp_path: Path, caplog: p
         with caplog.at_level(logging.WARNING, logger="legorl.harnesses"):
             assert run_on_host(Launch([PY, str(script)], env, warm=(module,)), 60.0, log, trial).exit_code == 0
         assert caplog.text == ""
+    assert not warm._servers  # each was stopped (the hung one killed)
 
 
 def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -230,7 +230,7 @@ class ForkServer:
         if self.proc.stdin is not None:
             self.proc.stdin.close()  # EOF: the server's signal to stop
         try:
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=10 if self.started else 0)  # one still importing does not read its stdin
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -263,9 +263,9 @@ def server_for(python: str, modules: tuple[str, ...], env: Mapping[str, str], tr
                 log.warning("warm start of %s unavailable, its trials start cold: %s", python, reason)
                 return None
     try:
-        server.wait_ready(wait_s)
+        server.wait_ready(min(wait_s, max(0.0, START_LIMIT_S - (time.monotonic() - server.born))))
     except WarmStartError as exc:
-        hung = not server.ended and time.monotonic() - server.born > START_LIMIT_S
+        hung = not server.ended and time.monotonic() - server.born >= START_LIMIT_S
         if (server.ended and not server.started) or hung:  # it cannot start: trials of this kind start cold
             with _mu:
                 if _servers.get(key) is server:
