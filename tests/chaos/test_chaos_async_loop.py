@@ -5,7 +5,7 @@ once), each call versioned with the step's version or the one before it.
 
 The kill lands anywhere in the run: while step 0 rolls out, while step 1 rolls out in the
 background as step 0 trains, or while step 1 trains. Training does its work even on groups without
-signal (``--skip-zero-advantage false``: the random tiny model scores 0 everywhere), so it takes the
+signal (``--no-skip-zero-advantage``: the random tiny model scores 0 everywhere), so it takes the
 time that lets step 1's trials start on version 0 and finish on version 1.
 """
 
@@ -71,7 +71,7 @@ def _loop(run: Path, model: Path) -> list[str]:
     if _cli_takes_max_staleness():
         return ["loop", "--run", str(run), "--model", str(model), "--harness", "simple", "--steps", str(STEPS),
                 "--samples", str(SAMPLES), "--limit", str(TASKS), "--max-turns", "2", "--timeout", "60",
-                "--skip-zero-advantage", "false", "--max-staleness", "1"]
+                "--no-skip-zero-advantage", "--max-staleness", "1"]
     spec = {"run": str(run), "model": str(model), "steps": STEPS, "samples": SAMPLES, "limit": TASKS,
             "max_staleness": 1}
     return ["<driver>", json.dumps(spec)]
