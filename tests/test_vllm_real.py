@@ -107,7 +107,8 @@ class Owner:
             self.proc = subprocess.Popen(
                 [str(Path(sys.executable).with_name("legorl")), "vllm", "serve", str(model),
                  "--max-model-len", str(CONTEXT)],
-                stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                stdout=subprocess.PIPE, stderr=err, text=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(log.parent)})  # its work dir: killed, it stays
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
@@ -316,19 +317,19 @@ def test_an_owned_engine_whose_server_fails_to_start_leaves_nothing(
     """--engine vllm without --upstream (EngineConfig.build) starts a server; failing, it stops it."""
     from legorl.engines.config import EngineConfig
 
-    seen: list[vllm_server.VLLMServer] = []
+    seen: list[tuple[vllm_server.VLLMServer, Path]] = []
 
     def not_healthy(self: vllm_server.VLLMServer, started: float) -> None:
-        seen.append(self)
+        seen.append((self, self.work_dir))
         time.sleep(2)
         raise LegorlError("not healthy (the test says so)")
 
     monkeypatch.setattr(vllm_server.VLLMServer, "_wait_healthy", not_healthy)
     with pytest.raises(LegorlError, match="the test says so"):
         EngineConfig(model=tiny_model, engine="vllm").build()
-    (server,) = seen
-    assert server.proc is None and not server.work_dir.exists()
-    assert _gone(_running_on(server.work_dir), 30), _running_on(server.work_dir)
+    ((server, work_dir),) = seen
+    assert server.proc is None and not work_dir.exists()
+    assert _gone(_running_on(work_dir), 30), _running_on(work_dir)
 
 
 def test_the_server_dies_with_its_owner(owner: Owner) -> None:

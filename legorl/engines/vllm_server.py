@@ -206,11 +206,21 @@ class VLLMServer:
         self.extra_args = extra_args
         self.startup_timeout = startup_timeout
         self._own_work_dir = work_dir is None
-        self.work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="legorl-vllm-"))
-        self.log = self.work_dir / "server.log"
+        self._work_dir = Path(work_dir) if work_dir is not None else None
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_seconds = 0.0
+
+    @property
+    def work_dir(self) -> Path:
+        """The served view of the model, the log, untied reload copies (a temporary one, made on first use)."""
+        if self._work_dir is None:
+            self._work_dir = Path(tempfile.mkdtemp(prefix="legorl-vllm-"))
+        return self._work_dir
+
+    @property
+    def log(self) -> Path:
+        return self.work_dir / "server.log"
 
     @property
     def base_url(self) -> str:
@@ -285,8 +295,9 @@ class VLLMServer:
             os.killpg(proc.pid, signal.SIGKILL)
         if proc.stdin is not None:
             proc.stdin.close()
-        if self._own_work_dir:
-            shutil.rmtree(self.work_dir, ignore_errors=True)
+        if self._own_work_dir and self._work_dir is not None:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+            self._work_dir = None
 
     def engine(self, *, reload_tolerance: float = DEFAULT_TOLERANCE) -> VLLMEngine:
         """A :class:`VLLMEngine` on this server that stops it when closed."""
