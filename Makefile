@@ -33,6 +33,7 @@ setup: venv host
 # What the test suite needs beyond `setup`: the four harnesses (cached) and a browser for the dashboard test.
 test-deps: setup
 	$(VENV)/bin/legorl harness install all
+	$(VENV)/bin/legorl vllm install
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 demo: setup

@@ -30,10 +30,10 @@ ENGINE_FIELDS = ("engine", "upstream", "reload_tolerance")
 
 def register(app: typer.Typer) -> None:
     @app.command("loop")
-    @with_configs(rollout=ConfigOptions(RolloutConfig, exclude=("step",)),
+    @with_configs(rollout=ConfigOptions(RolloutConfig, exclude=("step", "shard")),
                   grade=ConfigOptions(GradeOptions, only=GRADE_FIELDS, prefix="grade-"),
                   train=ConfigOptions(TrainOptions, only=LOOP_TRAIN_FIELDS, factory=dict),
-                  loop=ConfigOptions(OnlineConfig, only=("model", "steps"), factory=dict),
+                  loop=ConfigOptions(OnlineConfig, only=("model", "steps", "max_staleness", "stale_tokens"), factory=dict),
                   engine=ConfigOptions(PolicySpec, only=ENGINE_FIELDS, factory=dict))
     def loop_command(rollout: RolloutConfig, grade: GradeOptions, train: dict[str, Any], loop: dict[str, Any],
                      engine: dict[str, Any], json_out: JsonOption = False) -> None:

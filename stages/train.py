@@ -30,6 +30,7 @@ from legorl import metric_keys as mk
 from legorl import shards
 from legorl.errors import LegorlError
 from legorl.paths import INFO_FILE, Checkpoints, RunDir
+from legorl.provenance import Staleness
 from legorl.schemas import Kind
 from legorl.training.advantages import group_advantages
 from legorl.training.batching import make_batches, token_micro_batches
@@ -120,6 +121,7 @@ def run_train(
     resume: bool = False,
     out: str | os.PathLike[str] | None = None,
     callbacks: Sequence[Any] = (),
+    staleness: Staleness | None = None,
 ) -> TrainResult:
     """:func:`train_step` with everything a caller may want to report.
 
@@ -129,7 +131,7 @@ def run_train(
     processes = _processes(config)
     run = RunDir.at(run_dir)
     checkpoints = Checkpoints(Path(out) if out is not None else run.checkpoints)
-    data = load_step(run, step, config.reasons)
+    data = load_step(run, step, config.reasons, staleness)
     final, partial = checkpoints.step(data.step), checkpoints.partial(data.step)
 
     if (final / "config.json").exists():

@@ -230,19 +230,35 @@ def test_inspect_and_health_show_the_staleness_of_a_versioned_run(tmp_path: Path
     assert "staleness" not in old["breakdown"] and health_summary(unversioned)["staleness"] is None
 
 
-def test_the_loop_refuses_a_step_with_stale_trials_and_writes_its_figures_once(tmp_path: Path) -> None:
+def test_the_trainer_drops_or_masks_stale_trials_and_the_loop_writes_its_figures_once(tmp_path: Path) -> None:
+    """Step 2's data under the bound: a trial one version behind is taken as it is, one two versions
+    behind in one of its calls is left out (drop_trial) or trained on its fresh call only (mask)."""
     from legorl.flows.online import _held_to_bound, _write_staleness
     from legorl.paths import RunDir
+    from legorl.schemas import GradeRow, GradeStatus
+    from legorl.training.data import load_step
 
     run = RunDir.at(tmp_path)
-    rows = [_row(2, [(0, 2, 3, 2)]), _row(2, [(0, 2, 3, 0)])]
-    rows[1].sample_index, rows[1].trial_id = 1, "t/h/step2/sample1"
-    shards.write(run.rollouts, Kind.ROLLOUTS, rows)
-    figures = _held_to_bound(run, 2, provenance.Staleness(2))
-    assert figures[provenance.MAX_LAG] == 2.0 and figures[provenance.TRIALS_STALE] == 0.0
-    with pytest.raises(LegorlError, match=r"step 2: 1 trial\(s\) were sampled more than --max-staleness 1 versions "
-                                          r"back \(first: t/h/step2/sample1; largest lag 2\).*--max-staleness 2"):
-        _held_to_bound(run, 2, provenance.Staleness(1))
+    fresh = _row(2, [(0, 2, 3, 1)])
+    mixed = _row(2, [(0, 2, 3, 0), (0, 7, 2, 2)])
+    mixed.sample_index, mixed.trial_id = 1, "t/h/step2/sample1"
+    shards.write(run.rollouts, Kind.ROLLOUTS, [fresh, mixed])
+    shards.write(run.grades, Kind.GRADES, [
+        GradeRow(r.trial_id, r.task_id, GradeStatus.GRADED, harness="h", step=2, reward=float(r.sample_index),
+                 resolved=bool(r.sample_index)) for r in (fresh, mixed)])
+
+    taken = load_step(run, 2, staleness=provenance.Staleness(2))
+    assert [t.trial_id for t in taken.trials] == [fresh.trial_id, mixed.trial_id]
+    dropped = load_step(run, 2, staleness=provenance.Staleness(1, "drop_trial"))
+    assert [t.trial_id for t in dropped.trials] == [fresh.trial_id] and dropped.dropped["stale_trial"] == 1
+    masked = load_step(run, 2, staleness=provenance.Staleness(1, "mask"))
+    assert [t.trial_id for t in masked.trials] == [fresh.trial_id, mixed.trial_id]
+    (sequence,) = [masked.sequences[i] for i in masked.trials[1].sequences]
+    assert sequence.loss_mask.tolist() == [0] * 7 + [1, 1] + [0] * 3  # the version-0 call's tokens carry no loss
+    assert load_step(run, 2).dropped["stale_trial"] == 0  # no bound given: every trial as it is
+
+    figures = _held_to_bound(run, 2, provenance.Staleness(1))
+    assert figures[provenance.MAX_LAG] == 2.0 and figures[provenance.TRIALS_STALE] == 1.0
     _write_staleness(run, 2, figures)
     _write_staleness(run, 2, figures)  # a rerun after a kill between the write and the step's end
     written = shards.read_rows(run.metrics, Kind.METRICS)

@@ -130,17 +130,20 @@ def test_hanging_harness_times_out_and_is_killed(tiny_model: Path, base_image: s
         text = str(getattr(call, "prompt_text", ""))
         return scripted(hang["mini-swe-agent" if "COMPLETE_TASK" in text else "opencode"])(call)
 
+    # 60 s: a harness's own start (opencode, or a fork server's first import) must fit inside the
+    # limit on a loaded 2-core machine, or the trial never reaches its hanging call.
     start = time.monotonic()
     rows = _rollout(tiny_model, run, complete, harnesses=["mini-swe-agent", "opencode"], concurrency=2,
-                    timeout_s=25.0)
+                    timeout_s=60.0)
     for row in rows:
         assert row.outcome == Outcome.TIMEOUT and not row.infra_failure, (row.harness, row.outcome, row.error)
-        assert row.timings.agent_s is not None and row.timings.agent_s < 25.0 + 15.0
-    assert time.monotonic() - start < 120
+        assert row.timings.agent_s is not None and row.timings.agent_s < 60.0 + 15.0
+    assert time.monotonic() - start < 240
     assert _containers(run) == []
     # nothing of the host-side harness survives its kill
     left = subprocess.run(["pgrep", "-f", str(run / "logs")], capture_output=True, text=True).stdout
     assert left.strip() == ""
+
 
 
 def test_garbage_tool_calls_are_the_harness_business(tiny_model: Path, base_image: str, tmp_path: Path) -> None:

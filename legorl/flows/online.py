@@ -70,6 +70,9 @@ class OnlineConfig:
         "What a trial with calls older than --max-staleness gets: drop_trial (left out of training, kept "
         "in the shards and counted in the metrics) or mask (trained, its stale tokens without loss).")})
     grade: GradeOptions = field(default_factory=GradeOptions)  # how each step's trials are graded
+    engine: str = "embedded"  # PolicySpec.engine: embedded, or vllm (whose weights the loop reloads each step)
+    upstream: str | None = None  # PolicySpec.upstream: a running vLLM server (None with vllm: start one)
+    reload_tolerance: float | None = None  # PolicySpec.reload_tolerance
     policy_temperature: float | None = None  # the proxy samples every call at it (None: as the harness asks)
     engine_name: str | None = None  # the model name the proxy answers with
     max_context: int | None = None
@@ -122,9 +125,13 @@ def run_online(cfg: OnlineConfig, *, phase: Phase | None = None,
 
     policy = PolicySpec(model=Checkpoints(run.checkpoints).latest() or cfg.model, tokenizer=cfg.model,
                         temperature=cfg.policy_temperature, engine_name=cfg.engine_name,
-                        max_context=cfg.max_context)
+                        max_context=cfg.max_context, engine=cfg.engine, upstream=cfg.upstream,
+                        reload_tolerance=cfg.reload_tolerance)
     with open_policy(policy) as served:
         assert served.engine is not None  # a model served here, never an external proxy
+        if cfg.upstream is not None:  # someone else's server: make it serve (and check) our starting policy
+            assert policy.model is not None
+            served.reload(policy.model)
         served.engine.policy_version = initial_version(run)  # before any call
         if cfg.max_staleness == 0:
             return _synchronous(cfg, run, served, during, on_step)
@@ -176,7 +183,7 @@ def _grade(cfg: OnlineConfig, run: RunDir, step: int) -> int:
 def _train(cfg: OnlineConfig, run: RunDir, step: int) -> TrainResult:
     from legorl.stages.train import run_train  # imports TRL: only when the loop trains
 
-    return run_train(run.root, cfg.model, step, cfg.train, resume=True)
+    return run_train(run.root, cfg.model, step, cfg.train, resume=True, staleness=cfg.staleness)
 
 
 @dataclass
@@ -292,19 +299,10 @@ def _overlapped(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
 
 
 def _held_to_bound(run: RunDir, step: int, bound: Staleness) -> dict[str, float]:
-    """The step's staleness figures; refuses to train a step holding stale trials, since the trainer
-    cannot yet leave them out or mask their tokens (the loop itself never samples one: step T starts
-    once the engine serves version T - K; a run resumed with a smaller K can hold some)."""
-    rows = _step_rows(run, step)
-    figures = provenance.staleness_metrics(rows, step, bound)
-    stale = [r["trial_id"] for r in rows if provenance.is_stale(r, step, bound.max_staleness)]
-    if stale:
-        worst = max(provenance.trial_lag(r, step) or 0 for r in rows)
-        raise LegorlError(
-            f"step {step}: {len(stale)} trial(s) were sampled more than --max-staleness {bound.max_staleness} "
-            f"versions back (first: {stale[0]}; largest lag {worst}), and the trainer cannot leave them out "
-            f"yet; rerun with --max-staleness {worst} to train them as they are")
-    return figures
+    """The step's staleness figures. The trainer holds the step to the bound (``stale_tokens``); the
+    loop itself never samples a stale trial (step T starts once the engine serves version T - K), but
+    a run resumed with a smaller K can hold some."""
+    return provenance.staleness_metrics(_step_rows(run, step), step, bound)
 
 
 def _step_rows(run: RunDir, step: int) -> list[dict[str, Any]]:

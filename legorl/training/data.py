@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from legorl import shards
+from legorl import provenance, shards
 from legorl.errors import LegorlError
 from legorl.paths import RunDir
 from legorl.schemas import GradeStatus, Kind, SegmentReason
@@ -113,8 +113,13 @@ def load_step(
     run: RunDir,
     step: int | None = None,
     reasons: tuple[str, ...] = (SegmentReason.MAIN, SegmentReason.REWRITE, SegmentReason.SUBAGENT),
+    staleness: provenance.Staleness | None = None,
 ) -> StepData:
-    """The trials of policy step ``step`` (default: the latest) joined with their grades."""
+    """The trials of policy step ``step`` (default: the latest) joined with their grades.
+
+    ``staleness`` (the overlapped loop's bound): a trial with calls more than ``max_staleness``
+    policy versions behind ``step`` is left out (``drop_trial``) or trained without loss on its
+    stale tokens (``mask``); without it every trial is taken as it is."""
     # A full read validates every file (segment arrays aligned, enums known) before we use it.
     table = shards.read(run.rollouts, Kind.ROLLOUTS).table.select(["trial_id", *_ROLLOUT_COLUMNS])
     if table.num_rows == 0:
@@ -149,12 +154,20 @@ def load_step(
         if _grade_failed(grade):
             data.dropped["grade_infra_error"] += 1
             continue
+        masks = None
+        if staleness is not None and provenance.is_stale(row, step, staleness.max_staleness):
+            if staleness.stale_tokens == "drop_trial":
+                data.dropped["stale_trial"] += 1
+                continue
+            masks = provenance.segment_loss_masks(row, step, staleness.max_staleness)
         trial = Trial(
             trial_id=row["trial_id"], group_id=row["group_id"], harness=row["harness"],
             reward=float(grade["reward"]), resolved=bool(grade["resolved"]),
         )
         for index, seg in enumerate(row["segments"] or []):
             sequence = _sequence(row, trial, index, seg)
+            if masks is not None:
+                sequence.loss_mask = np.asarray(masks[index], dtype=sequence.loss_mask.dtype)
             if sequence.reason not in reasons:
                 data.dropped[f"segment_{sequence.reason}"] += 1
                 continue
