@@ -224,8 +224,10 @@ def test_demo_runs_heldout_eval_loop_heldout_eval_and_writes_its_summary(tmp_pat
 
     run = tmp_path / "run"
     shutil.copytree(tiny_model, tmp_path / "base")
-    cfg = DemoConfig(run=run, steps=2, tasks=2, samples=2, heldout=2, model=tmp_path / "base",
-                     rollout_concurrency=2, grade_concurrency=2)
+    # The simple driver keeps this fast (an untrained model's trials are short); the mini-swe-agent
+    # path's conversation is pinned by the test above.
+    cfg = DemoConfig(run=run, harness="simple", steps=2, tasks=2, samples=2, heldout=2, model=tmp_path / "base",
+                     rollout_concurrency=2, grade_concurrency=2, max_turns=2)
     summary = run_demo(cfg)
     assert [s["step"] for s in summary["steps"]] == [0, 1]
     assert all(s["graded"] == 4 and s["infra"] == 0 for s in summary["steps"])
@@ -236,7 +238,9 @@ def test_demo_runs_heldout_eval_loop_heldout_eval_and_writes_its_summary(tmp_pat
     checkpoints = run / "train" / "checkpoints"
     info = json.loads((checkpoints / "step-1" / "legorl_train.json").read_text())
     assert info["started_from"].endswith("step-0")
-    assert all({mk.LOSS, mk.LOGPROB_PEARSON} <= set(s["train_metrics"]) for s in summary["steps"])
+    for s in summary["steps"]:  # a step trains, or (every group scored the same) is skipped with no work
+        m = s["train_metrics"]
+        assert {mk.LOSS, mk.LOGPROB_PEARSON} <= set(m) if m[mk.SKIPPED] == 0.0 else m[mk.TRIALS_SKIPPED] == 4
 
     train_ids = {r.task_id for r in rollouts}
     eval_rows = shards.read_rows(run / "eval" / "rollouts", Kind.ROLLOUTS)

@@ -145,7 +145,6 @@ def test_hanging_harness_times_out_and_is_killed(tiny_model: Path, base_image: s
     assert left.strip() == ""
 
 
-
 def test_garbage_tool_calls_are_the_harness_business(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
     run = _run_dir(tmp_path)
     import_one(run, tmp_path)

@@ -37,7 +37,7 @@ from legorl.schemas import Kind
 
 # The trainer's figures each step's record keeps.
 REPORTED_METRICS = (mk.LOSS, mk.ZERO_VARIANCE_SHARE, mk.ENTROPY, mk.GRAD_NORM, mk.LOGPROB_PEARSON, mk.MISMATCH_KL,
-                    mk.IS_ESS)
+                    mk.IS_ESS, mk.SKIPPED, mk.TRIALS_SKIPPED)
 SUMMARY_VERSION = 1
 HERE = Path(__file__).resolve().parent
 MINI_SWE_AGENT_CONFIG = HERE / "mini-swe-agent.yaml"
@@ -64,6 +64,7 @@ class DemoConfig:
     loss: str = "grpo"
     temperature: float = 1.0
     max_turns: int = 3
+    max_tokens: int = 96  # per call: a demo command is ~60 tokens; a degenerate sample stops here
     rollout_concurrency: int = 4
     grade_concurrency: int = 2
     model: Path | None = None  # a warmed-up model to start from (skips init + warm-up)
@@ -194,7 +195,7 @@ def held_out(cfg: DemoConfig, tasks: Path, model: Path, tokenizer: Path, step: i
 
     t0 = time.perf_counter()
     settings = EvalSettings(run=cfg.run, tasks=tasks, step=step, samples=1, ks=[1], harnesses=[cfg.harness],
-                            harness_config=cfg.harness_config, max_turns=cfg.max_turns, timeout_s=180.0, concurrency=cfg.rollout_concurrency,
+                            harness_config=cfg.harness_config, max_turns=cfg.max_turns, max_tokens=cfg.max_tokens, timeout_s=180.0, concurrency=cfg.rollout_concurrency,
                             grade=GradeOptions(concurrency=cfg.grade_concurrency, test_timeout=60.0))
     policy = PolicySpec(model=model, tokenizer=tokenizer, engine_name="demo-policy", max_context=2048)
     outcomes = Outcomes()
@@ -231,7 +232,7 @@ def run_loop(cfg: DemoConfig, model_dir: Path, on_record: Any = None) -> list[St
     run = RunDir.at(cfg.run)
     online = OnlineConfig(
         rollout=RolloutConfig(run=cfg.run, harnesses=[cfg.harness], harness_config=cfg.harness_config,
-                              samples=cfg.samples,
+                              samples=cfg.samples, max_tokens=cfg.max_tokens,
                               concurrency=cfg.rollout_concurrency, timeout_s=180.0, max_turns=cfg.max_turns,
                               temperature=cfg.temperature),
         train=TrainConfig(loss=cfg.loss, learning_rate=cfg.lr, num_iterations=cfg.num_iterations,  # type: ignore[arg-type]
