@@ -57,13 +57,13 @@ class DemoConfig:
     warmup_steps: int = 150  # format warm-up (SFT) steps
     warmup_tasks: int = 2000
     warmup_lr: float = 3e-3
-    warmup_confused: int = 3  # (kind, operator) cells the demonstrator mostly gets wrong (chosen by seed)
-    warmup_wrong: float = 0.6  # how often it writes the wrong operator in those cells
+    warmup_confused: int = 4  # (kind, operator) cells the demonstrator gets wrong at warmup_wrong (chosen by seed)
+    warmup_wrong: float = 0.65  # how often it writes the wrong operator in those cells
     lr: float = 2e-4
     num_iterations: int = 2
     loss: str = "grpo"
     temperature: float = 1.0
-    max_turns: int = 3
+    max_turns: int = 2
     max_tokens: int = 96  # per call: a demo command is ~60 tokens; a degenerate sample stops here
     rollout_concurrency: int = 4
     grade_concurrency: int = 2
