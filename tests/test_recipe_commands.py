@@ -26,7 +26,7 @@ from legorl.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "swebench-verified"
-TARGETS = ("setup", "model", "view", "tasks", "vllm", "proxy", "rollout", "grade", "train", "loop", "eval", "report")
+TARGETS = ("setup", "model", "view", "tasks", "check-tasks", "vllm", "proxy", "rollout", "grade", "train", "loop", "eval", "report")
 # The CPU counterparts of the recipe's GPU stages, and what in each shows it exercises them.
 COUNTERPARTS = {
     "tests/test_vllm_real.py": "--upstream",
@@ -103,6 +103,7 @@ def test_the_recipe_asks_for_the_scale_out_paths(lines: list[str]) -> None:
     parsed = {name: values for name, values in (parse_legorl(argv) for _, argv in legorl_invocations(lines))}
     for stage in ("rollout", "grade"):
         assert parsed[stage]["executor"] == "ray" and parsed[stage]["shard"] == "0/1", parsed[stage]
+    assert parsed["grade"]["gold"] is False  # the last grade line is the rollouts', not check-tasks' gold run
     assert parsed["rollout"]["proxy_url"] and parsed["rollout"]["api_key"]
     for stage in ("loop", "eval", "serve-proxy"):
         assert parsed[stage]["engine"] == "vllm" and parsed[stage]["upstream"] == "http://127.0.0.1:8100", stage
