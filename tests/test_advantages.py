@@ -10,7 +10,7 @@ import torch
 
 from legorl.training.advantages import EPS, group_advantages
 from legorl.training.data import StepData, TrainSequence, Trial
-from legorl.training.importance import importance_weights
+from legorl.training.importance import importance_weights, weight_stats
 from legorl.training.weighting import segment_scales
 
 
@@ -90,12 +90,13 @@ def test_importance_weights_token_sequence_none() -> None:
     old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
     rollout = torch.tensor([[-1.5, -1.0, -0.5, -9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    w, stats = importance_weights(old, rollout, mask, "token", cap=1.5)
+    w, values, raw = importance_weights(old, rollout, mask, "token", cap=1.5)
+    stats = weight_stats(values, raw, cap=1.5)
     np.testing.assert_allclose(w[0].numpy(), [1.5, np.exp(-1.0), 1.0, 1.0], rtol=1e-6)
     assert stats.truncated == pytest.approx(1 / 3)
     v = np.array([1.5, np.exp(-1.0), 1.0])
     assert stats.ess == pytest.approx(v.sum() ** 2 / (3 * (v**2).sum()), rel=1e-6)
-    w, _ = importance_weights(old, rollout, mask, "sequence", cap=1.5)
+    w, _, _ = importance_weights(old, rollout, mask, "sequence", cap=1.5)
     np.testing.assert_allclose(w[0].numpy(), [np.exp(-0.5)] * 3 + [1.0], rtol=1e-6)
-    w, _ = importance_weights(old, rollout, mask, "none", cap=1.5)
+    w, _, _ = importance_weights(old, rollout, mask, "none", cap=1.5)
     assert torch.equal(w, torch.ones_like(w))
