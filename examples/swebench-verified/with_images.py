@@ -25,7 +25,7 @@ def official_image(instance_id: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Write SWE-bench rows as Parquet with each row's official image.")
     parser.add_argument("source", help="A Hugging Face dataset id, or a local .parquet/.jsonl/.json file.")
     parser.add_argument("out", type=Path, help="The Parquet file to write.")
     parser.add_argument("--split", default="test", help="Dataset split (Hub datasets only).")
