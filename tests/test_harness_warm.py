@@ -41,6 +41,7 @@ PY = sys.executable  # any interpreter serves; the mini-swe-agent test uses the 
 
 @pytest.fixture(autouse=True)
 def _no_servers_left() -> Iterator[None]:
+    warm.stop_servers()  # servers earlier test files in this process left (mini-swe-agent trials start them)
     yield
     warm.stop_servers()
 
