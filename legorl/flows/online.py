@@ -268,7 +268,7 @@ def _overlapped(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
             with during(step, "rollout"):
                 rolled = ahead.wait(step)
             t1 = time.perf_counter()
-            figures = _held_to_bound(run, step, cfg.staleness)
+            figures = _staleness_figures(run, step, cfg.staleness)
             with during(step, "train"):
                 result = _train(cfg, run, step)
             t2 = time.perf_counter()
@@ -298,7 +298,7 @@ def _overlapped(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
     return records
 
 
-def _held_to_bound(run: RunDir, step: int, bound: Staleness) -> dict[str, float]:
+def _staleness_figures(run: RunDir, step: int, bound: Staleness) -> dict[str, float]:
     """The step's staleness figures. The trainer holds the step to the bound (``stale_tokens``); the
     loop itself never samples a stale trial (step T starts once the engine serves version T - K), but
     a run resumed with a smaller K can hold some."""
