@@ -13,10 +13,7 @@ from legorl.cli.common import JsonOption, console, print_json
 from legorl.cli.options import ConfigOptions, with_configs
 from legorl.evaluation import EvalSettings
 from legorl.flows.policy import POLICY_FIELDS, PolicySpec
-from legorl.grading.grader import GradeOptions
-
-# What `legorl eval` takes of the grading options (prefixed --grade-: --grade-timeout, --grade-concurrency).
-GRADE_FIELDS = ("concurrency", "test_timeout")
+from legorl.grading.grader import GRADE_FIELDS, GradeOptions  # taken prefixed --grade-: --grade-timeout, …
 
 
 def register(app: typer.Typer) -> None:

@@ -73,6 +73,8 @@ def register(app: typer.Typer) -> None:
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(summary.by_status.items()))
         per_grade = f"{summary.mean_seconds} s per grade; " if summary.mean_seconds is not None else ""
         lost = f"{len(summary.lost)} lost with their Ray worker (run again); " if summary.lost else ""
+        unconfirmed = (f"{summary.unconfirmed} pass(es) a fresh rerun did not reproduce (scored 0); "
+                       if summary.unconfirmed else "")
         console.print(
             f"graded {summary.graded} ({statuses}); resolved {summary.resolved}; mean reward {summary.mean_reward}; "
-            f"{per_grade}{lost}wall {summary.wall_s:.1f} s -> {out_dir}", highlight=False)
+            f"{per_grade}{lost}{unconfirmed}wall {summary.wall_s:.1f} s -> {out_dir}", highlight=False)

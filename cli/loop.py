@@ -15,13 +15,12 @@ from legorl.cli.common import JsonOption, console, print_json
 from legorl.cli.options import ConfigOptions, with_configs
 from legorl.flows.online import OnlineConfig
 from legorl.flows.policy import PolicySpec
-from legorl.grading.grader import GradeOptions
+from legorl.grading.grader import GRADE_FIELDS, GradeOptions
 from legorl.stages.rollout import RolloutConfig
 from legorl.training.options import TRAIN_CLI_FIELDS, TrainOptions
 
-# What `legorl loop` takes of each component's options (grading ones prefixed --grade-). The
+# What `legorl loop` takes of each component's options (grading ones, GRADE_FIELDS, prefixed --grade-). The
 # trainer's temperature is the rollout's (the proxy samples at it); the step is set per step.
-GRADE_FIELDS = ("concurrency", "test_timeout")
 LOOP_TRAIN_FIELDS = tuple(f for f in TRAIN_CLI_FIELDS if f != "temperature")
 # What serves the policy: the embedded engine, or a vLLM server (--upstream, or one started here)
 # whose weights the loop reloads each step.

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from legorl.cli.common import JsonOption, OptionalRunOption, RunOption, console, fail, print_json
+from legorl.tasks.builder import CHECK_RUNS
 
 sub = typer.Typer(help="Task sets: import SWE-bench-style data, build tasks offline.", no_args_is_help=True)
 
@@ -44,6 +45,9 @@ def build_command(
     timeout: Annotated[float, typer.Option(help="Seconds per test-suite run.")] = 60.0,
     seed: Annotated[int, typer.Option(help="Seed of the mutation sampler.")] = 0,
     image: Annotated[str | None, typer.Option(help="Image to mine and validate in (default: the base image).")] = None,
+    check_runs: Annotated[int, typer.Option(min=1, help=(
+        "Runs of the gold and the empty patch per task in the check: a test whose status varies is "
+        "flaky, left out of FAIL_TO_PASS / PASS_TO_PASS and recorded on the task."))] = CHECK_RUNS,
     json_out: JsonOption = False,
 ) -> None:
     """Build SWE-smith-style tasks from real libraries, offline; with --run, import them too."""
@@ -54,7 +58,7 @@ def build_command(
 
     reap()
     options = BuildOptions(per_library=per_library, attempts=attempts, concurrency=concurrency, timeout=timeout,
-                           seed=seed, image=image, log=lambda s: console.print(s, highlight=False))
+                           seed=seed, image=image, check_runs=check_runs, log=lambda s: console.print(s, highlight=False))
     tasks = build_stage(packages, out, options, RunDir.at(run).tasks if run else None)
     if not tasks:
         fail("no task survived validation")

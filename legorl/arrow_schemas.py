@@ -62,6 +62,46 @@ TIMINGS_TYPE = pa.struct(
     ]
 )
 
+# What produced a trial row (legorl.fingerprints): two rows alike here ran the same harness build, config,
+# legorl and model. Versions are the installed package's; config and model revision are sha256 prefixes
+# ("sha256:<16 hex>") of the effective harness config and of the model directory's files; a model the
+# rollout does not load itself (an external proxy) is "served:<name>".
+TRIAL_FINGERPRINT_TYPE = pa.struct(
+    [
+        pa.field("harness", pa.string()),
+        pa.field("harness_version", pa.string()),
+        pa.field("harness_config", pa.string()),
+        pa.field("legorl_version", pa.string()),
+        pa.field("model_revision", pa.string()),
+    ]
+)
+
+# What a trial cost (legorl.fingerprints.trial_cost): sandbox_s the wall time its sandboxes lived, over every
+# attempt; engine_s the time the engine took on its calls (their latencies); tokens summed over its calls,
+# cached = prompt tokens the proxy reused from the session's history (prompt_tokens - new_prompt_tokens, a
+# prefix an engine with prefix caching need not recompute); retries = attempts - 1.
+TRIAL_COST_TYPE = pa.struct(
+    [
+        pa.field("sandbox_s", pa.float64()),
+        pa.field("engine_s", pa.float64()),
+        pa.field("prompt_tokens", pa.int64()),
+        pa.field("sampled_tokens", pa.int64()),
+        pa.field("cached_tokens", pa.int64()),
+        pa.field("retries", pa.int32()),
+    ]
+)
+
+# What produced a grade row: the image it graded in and podman's id of it ("sha256:..."), the hidden-test
+# command as run, and the grader's version ("<legorl version>+g<GRADER_VERSION>.<digest of the sandboxed code>").
+GRADE_FINGERPRINT_TYPE = pa.struct(
+    [
+        pa.field("image", pa.string()),
+        pa.field("image_digest", pa.string()),
+        pa.field("test_command", pa.string()),
+        pa.field("grader_version", pa.string()),
+    ]
+)
+
 TEST_RESULT_TYPE = pa.struct(
     [
         pa.field("name", pa.string()),
@@ -95,6 +135,9 @@ TASKS_SCHEMA = pa.schema(
         pa.field("log_parser", _str),
         # JSON object: every test's status when the gold patch is graded (the reference a trial must reach)
         pa.field("gold_statuses", _str),
+        # JSON object: each test the task check saw change status across runs of the same patch (so left out of
+        # FAIL_TO_PASS / PASS_TO_PASS) -> {"gold": [its status per gold run], "empty": [per empty-patch run]}
+        pa.field("flaky_tests", _str),
     ]
 )
 
@@ -119,6 +162,8 @@ ROLLOUTS_SCHEMA = pa.schema(
         pa.field("timings", TIMINGS_TYPE),
         pa.field("started_at", pa.float64()),
         pa.field("finished_at", pa.float64()),
+        pa.field("fingerprint", TRIAL_FINGERPRINT_TYPE),
+        pa.field("cost", TRIAL_COST_TYPE),
     ]
 )
 
@@ -141,8 +186,12 @@ GRADES_SCHEMA = pa.schema(
         pa.field("suspicious", _strings),
         # the control run (the gold or empty patch, same conditions) behind an infra / tests_errored verdict
         pa.field("control", _str),
+        # grade --confirm, for a grade of 1: true when a fresh rerun of the same patch scored 1 too; false when it did
+        # not (the reward is then 0: a pass that does not reproduce earns nothing); null when not asked or not a 1
+        pa.field("confirmed", pa.bool_()),
         pa.field("duration_s", pa.float64()),
         pa.field("log", _str),
+        pa.field("fingerprint", GRADE_FINGERPRINT_TYPE),
     ]
 )
 

@@ -243,6 +243,7 @@ class TaskRow(_Row):
     test_command: str | None = None
     log_parser: str | None = None
     gold_statuses: str | None = None
+    flaky_tests: str | None = None  # JSON: {test: {"gold": [status per run], "empty": [...]}} (see TASKS_SCHEMA)
 
     def gold_status_map(self) -> dict[str, str] | None:
         """``gold_statuses`` as a dict (None when the task has no recorded reference)."""
@@ -253,8 +254,32 @@ class TaskRow(_Row):
 
 
 @dataclass(slots=True)
+class TrialFingerprint(_Row):
+    """What produced a trial (see TRIAL_FINGERPRINT_TYPE; computed by :mod:`legorl.fingerprints`)."""
+
+    harness: str
+    harness_version: str | None = None
+    harness_config: str | None = None  # digest of the harness's effective config
+    legorl_version: str | None = None
+    model_revision: str | None = None
+
+
+@dataclass(slots=True)
+class TrialCost(_Row):
+    """What a trial cost (see TRIAL_COST_TYPE; derived by :func:`legorl.fingerprints.trial_cost`)."""
+
+    sandbox_s: float | None = None
+    engine_s: float = 0.0
+    prompt_tokens: int = 0
+    sampled_tokens: int = 0
+    cached_tokens: int = 0
+    retries: int = 0
+
+
+@dataclass(slots=True)
 class TrialRow(_Row):
-    _nested: ClassVar[dict[str, type]] = {"segments": Segment, "calls": Call, "timings": Timings}
+    _nested: ClassVar[dict[str, type]] = {"segments": Segment, "calls": Call, "timings": Timings,
+                                             "fingerprint": TrialFingerprint, "cost": TrialCost}
 
     trial_id: str
     task_id: str
@@ -275,6 +300,8 @@ class TrialRow(_Row):
     timings: Timings = field(default_factory=Timings)
     started_at: float | None = None
     finished_at: float | None = None
+    fingerprint: TrialFingerprint | None = None  # null in shards written before it was recorded
+    cost: TrialCost | None = None
 
     @classmethod
     def new(cls, task_id: str, harness: str, step: int, sample_index: int, **kwargs: Any) -> TrialRow:
@@ -304,8 +331,18 @@ class TestResult(_Row):
 
 
 @dataclass(slots=True)
+class GradeFingerprint(_Row):
+    """What produced a grade (see GRADE_FINGERPRINT_TYPE; computed by :mod:`legorl.fingerprints`)."""
+
+    image: str | None = None
+    image_digest: str | None = None
+    test_command: str | None = None
+    grader_version: str | None = None
+
+
+@dataclass(slots=True)
 class GradeRow(_Row):
-    _nested: ClassVar[dict[str, type]] = {"tests": TestResult}
+    _nested: ClassVar[dict[str, type]] = {"tests": TestResult, "fingerprint": GradeFingerprint}
 
     trial_id: str
     task_id: str
@@ -322,8 +359,10 @@ class GradeRow(_Row):
     apply_method: str | None = None
     suspicious: list[str] = field(default_factory=list)
     control: str | None = None
+    confirmed: bool | None = None  # --confirm: did a fresh rerun reproduce the pass (see GRADES_SCHEMA)
     duration_s: float | None = None
     log: str | None = None
+    fingerprint: GradeFingerprint | None = None  # null in shards written before it was recorded
 
 
 @dataclass(slots=True)

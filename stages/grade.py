@@ -43,6 +43,7 @@ class GradeSummary:
     by_status: dict[str, int] = field(default_factory=dict)
     resolved: int = 0
     infra_errors: int = 0
+    unconfirmed: int = 0  # --confirm: passes a fresh rerun did not reproduce (scored 0)
     mean_reward: float | None = None
     mean_seconds: float | None = None
     wall_s: float = 0.0
@@ -52,11 +53,11 @@ class GradeSummary:
     def as_dict(self) -> dict[str, object]:
         return {
             "graded": self.graded, "skipped": self.skipped, "workers_lost": len(self.lost), "lost": self.lost, "by_status": self.by_status, "resolved": self.resolved,
-            "infra_errors": self.infra_errors, "mean_reward": self.mean_reward, "mean_seconds": self.mean_seconds,
+            "infra_errors": self.infra_errors, "unconfirmed": self.unconfirmed, "mean_reward": self.mean_reward, "mean_seconds": self.mean_seconds,
             "wall_s": round(self.wall_s, 3),
             "grades": [{"trial_id": r.trial_id, "task_id": r.task_id, "status": r.status, "reward": r.reward,
                         "resolution": r.resolution, "dropped_paths": r.dropped_paths, "apply_method": r.apply_method,
-                        "suspicious": r.suspicious, "control": r.control, "duration_s": r.duration_s,
+                        "suspicious": r.suspicious, "control": r.control, "confirmed": r.confirmed, "duration_s": r.duration_s,
                         "error": r.error} for r in self.rows],
         }
 
@@ -168,6 +169,7 @@ def grade_stage(
         summary.by_status[r.status] = summary.by_status.get(r.status, 0) + 1
     summary.resolved = sum(bool(r.resolved) for r in rows)
     summary.infra_errors = sum(r.infra_failure for r in rows)
+    summary.unconfirmed = sum(r.confirmed is False for r in rows)
     rewards = [r.reward for r in rows if r.reward is not None]
     summary.mean_reward = round(statistics.fmean(rewards), 4) if rewards else None
     times = [r.duration_s for r in rows if r.duration_s is not None and r.status != GradeStatus.EMPTY_PATCH]

@@ -57,6 +57,9 @@ class GradeOptions:
         "Image for tasks without one (default: the sandbox base image of `legorl setup`).")})
     memory: str = field(default="4g", metadata={"help": "Memory limit of a grading container (podman's --memory)."})
     cpus: float | None = field(default=None, metadata={"help": "CPU limit of a grading container (podman's --cpus)."})
+    confirm: bool = field(default=False, metadata={"help": (
+        "Re-run a grade of 1 in a fresh container before trusting it: a pass the rerun does not reproduce "
+        "scores 0 (confirmed false); a rerun that fails as infrastructure makes the grade infrastructure.")})
     labels: dict[str, str] = field(default_factory=dict)
     run_empty: bool = False  # also run the tests for an empty patch (task validation)
     suspicious_scores_zero: bool = True  # False: a suspicious pass keeps its reward (findings still recorded)
@@ -66,6 +69,10 @@ class GradeOptions:
             raise ConfigError(f"--concurrency must be at least 1, got {self.concurrency}")
         if not self.test_timeout > 0:
             raise ConfigError(f"--timeout must be positive, got {self.test_timeout}")
+
+
+# The grading options the composed commands (`legorl eval`, `legorl loop`) take, as --grade-…: one list for both.
+GRADE_FIELDS = ("concurrency", "test_timeout", "confirm")
 
 
 def _trim(log: str) -> str:
@@ -100,6 +107,16 @@ class Grader:
         start = time.monotonic()
         out = GradeRow(trial_id=trial_id or task.instance_id, task_id=task.instance_id,
                        status=GradeStatus.GRADED, **row)  # type: ignore[arg-type]
+        self._verdict(task, patch, out)
+        if self.options.confirm and out.reward == 1.0:
+            self._confirm(task, patch, out)
+        out.duration_s = round(time.monotonic() - start, 3)
+        if out.log is not None:
+            out.log = _trim(out.log)
+        return out
+
+    def _verdict(self, task: TaskRow, patch: str | None, out: GradeRow) -> None:
+        """One grading run's verdict on ``out``, whatever happens in it."""
         try:
             self._grade(task, patch, out)
         except LegorlError as exc:  # SandboxError, TestbedError, GradingInfraError, missing image
@@ -117,10 +134,24 @@ class Grader:
             else:
                 self._infra(out, f"{error}; the control run failed too: {control}")
                 out.control = control
-        out.duration_s = round(time.monotonic() - start, 3)
-        if out.log is not None:
-            out.log = _trim(out.log)
-        return out
+
+    def _confirm(self, task: TaskRow, patch: str | None, out: GradeRow) -> None:
+        """``--confirm``: grade the same patch again in a fresh container. A pass that does not
+        reproduce is luck a policy would learn to chase: 0, ``confirmed`` false, the rerun's tests on
+        the row. A rerun that fails as infrastructure proves nothing either way: infrastructure."""
+        rerun = GradeRow(trial_id=out.trial_id, task_id=out.task_id, status=GradeStatus.GRADED)
+        self._verdict(task, patch, rerun)
+        if rerun.infra_failure:
+            self._infra(out, f"the confirming rerun failed as infrastructure: {rerun.error}")
+            return
+        if rerun.reward == 1.0:
+            out.confirmed = True
+            return
+        failing = [t.name for t in rerun.tests if not t.passed]
+        self._zero(out, out.status, f"the pass did not reproduce: a fresh rerun of the same patch scored "
+                   f"{rerun.reward} ({rerun.status}{'; failing: ' + ', '.join(failing[:5]) if failing else ''})", task)
+        out.tests, out.confirmed = rerun.tests, False
+        out.log = (out.log or "") + "\n>>>>> legorl: the confirming rerun\n" + (rerun.log or "")
 
     @staticmethod
     def _infra(out: GradeRow, error: str) -> None:

@@ -13,9 +13,10 @@ The recipe, per library (``NAME==VERSION``):
    functions, committed as one parentless commit with a fixed date; ``test_patch`` restores the
    removed tests, the gold ``patch`` reverts the bug; the problem statement is written from the
    failures (test names and assertion messages — never the diff; :mod:`.drafting`, :mod:`.hiding`).
-4. FAIL_TO_PASS / PASS_TO_PASS come from fresh grading containers (the real grader): a run
-   without the fix and a run with it; then the gold patch must score 1 and the empty patch 0
-   (:func:`validate`, here, like step 5).
+4. FAIL_TO_PASS / PASS_TO_PASS come from fresh grading containers (the real grader): runs
+   without the fix and with it (``check_runs`` of each; a test whose status varies between runs
+   of one patch is flaky, left out and recorded in ``flaky_tests``); then the gold patch must
+   score 1 and the empty patch 0 (:func:`validate`, here, like step 5).
 5. Every task's commit goes into one git bundle per library (``bundles/NAME.bundle``) and the
    rows into ``tasks.parquet`` with ``repo_source`` relative to it. ``/testbed`` is built from a
    ``git archive`` of the one commit (:mod:`legorl.sandbox.testbed`), so other tasks' objects in
@@ -33,13 +34,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from legorl.errors import LegorlError
+from legorl.errors import ConfigError, LegorlError
 from legorl.grading.grader import GradeOptions, Grader
 from legorl.sandbox.base import Sandbox, SandboxSpec
 from legorl.schemas import TaskRow
 from legorl.tasks.drafting import git, make_task
 from legorl.tasks.library import BuildError, fetch_sdist
 from legorl.tasks.mining import mine
+
+CHECK_RUNS = 3  # runs of each patch in the task check (a test flaky at 50% under both slips past 1 check in 16)
+MISSING = "MISSING"
 
 
 @dataclass
@@ -50,28 +54,62 @@ class BuildOptions:
     timeout: float = 60.0  # per test-suite run while mining
     seed: int = 0
     image: str | None = None
+    check_runs: int = CHECK_RUNS  # runs of the gold and the empty patch per task in the check (flaky tests)
     log: Callable[[str], None] = field(default=lambda s: None)
 
 
-def validate(task: TaskRow, grader: Grader) -> TaskRow | str:
-    """Fix FAIL_TO_PASS / PASS_TO_PASS (and the gold statuses they are judged against) from fresh
-    runs without and with the gold patch, then check gold -> 1 and empty -> 0. Returns the final
-    row, or why the task was rejected."""
+def flaky_tests(runs: dict[str, list[dict[str, str]]]) -> dict[str, dict[str, list[str]]]:
+    """The tests whose status differs between runs of the same patch (absent from a run: MISSING),
+    each with its status per run under every patch (``runs``: patch name -> each run's statuses)."""
+    names = sorted({t for per_patch in runs.values() for statuses in per_patch for t in statuses})
+    seen = {t: {p: [r.get(t, MISSING) for r in per_patch] for p, per_patch in runs.items()} for t in names}
+    return {t: by_patch for t, by_patch in seen.items() if any(len(set(s)) > 1 for s in by_patch.values())}
+
+
+def _test_lists(runs: dict[str, list[dict[str, str]]], flaky: dict[str, object]) -> tuple[list[str], list[str]]:
+    """FAIL_TO_PASS / PASS_TO_PASS from the stable tests: PASSED on every gold run, and not / also
+    PASSED on every empty-patch run."""
+    gold, empty = runs["gold"][0], runs["empty"][0]
+    stable = [t for t, s in gold.items() if s == "PASSED" and t not in flaky]
+    return (sorted(t for t in stable if empty.get(t) != "PASSED"), sorted(t for t in stable if empty.get(t) == "PASSED"))
+
+
+def validate(task: TaskRow, grader: Grader, runs: int = CHECK_RUNS) -> TaskRow | str:
+    """Fix FAIL_TO_PASS / PASS_TO_PASS (and the gold statuses they are judged against) from ``runs``
+    fresh runs each of the empty and the gold patch, then check gold -> 1 and empty -> 0 on fresh
+    runs. A test whose status varies between runs of one patch is flaky: it is left out of both
+    lists and recorded in ``flaky_tests`` (a reward that hangs on it would be noise a policy learns to
+    chase). The runs of one patch share the grader's per-task testbed tar, image and test command;
+    the check stops early once no test can still be FAIL_TO_PASS. Returns the final row, or why the
+    task was rejected."""
+    if runs < 1:
+        raise ConfigError(f"--check-runs must be at least 1, got {runs}")
+    seen: dict[str, list[dict[str, str]]] = {"empty": [], "gold": []}
     try:
-        b = grader.statuses_for(task, "", "unpatched testbed")
-        a = grader.statuses_for(task, task.patch or "", "gold patch")
+        for _ in range(runs):
+            seen["empty"].append(grader.statuses_for(task, "", "unpatched testbed"))
+            seen["gold"].append(grader.statuses_for(task, task.patch or "", "gold patch"))
+            if not _test_lists(seen, flaky_tests(seen))[0]:
+                break  # further runs can only take tests away
     except LegorlError as exc:
         return f"grading failed: {exc}"
-    f2p = sorted(t for t, s in a.items() if s == "PASSED" and b.get(t) != "PASSED")
-    p2p = sorted(t for t, s in a.items() if s == "PASSED" and b.get(t) == "PASSED")
+    flaky = flaky_tests(seen)
+    f2p, p2p = _test_lists(seen, flaky)
     if not f2p:
-        return "no test fails before and passes after the gold patch"
+        done = len(seen["gold"])
+        why = "no test fails before and passes after the gold patch"
+        if flaky:
+            return (f"{why} on all of {done} runs of each ({len(flaky)} flaky test(s) left out: "
+                    f"{', '.join(sorted(flaky)[:5])})")
+        return why
     if any(any(c.isspace() for c in t) for t in f2p + p2p):
         p2p = [t for t in p2p if not any(c.isspace() for c in t)]
         if any(any(c.isspace() for c in t) for t in f2p):
             return "a FAIL_TO_PASS id holds whitespace (SWE-bench's parser would truncate it)"
+    a = seen["gold"][0]
     task.FAIL_TO_PASS, task.PASS_TO_PASS = f2p, p2p
     task.gold_statuses = json.dumps({t: a[t] for t in f2p + p2p}, sort_keys=True)
+    task.flaky_tests = json.dumps(flaky, sort_keys=True) if flaky else None
     gold, empty = grader.grade(task, task.patch), grader.grade(task, "")
     if gold.reward != 1.0:
         return f"gold patch scored {gold.reward} on a fresh run ({gold.status}: {gold.error})"
@@ -105,7 +143,7 @@ def build_library(spec: str, out_dir: Path, work: Path, opts: BuildOptions,
         task.repo_source = str(repo)
 
     def check(item: tuple[TaskRow, str]) -> tuple[TaskRow | str, str]:
-        return validate(item[0], grader), item[1]
+        return validate(item[0], grader, opts.check_runs), item[1]
 
     tasks: list[TaskRow] = []
     refs: list[str] = []
