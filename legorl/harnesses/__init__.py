@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from legorl.errors import ConfigError, LegorlError
 from legorl.harnesses.base import BaseHarness, End, Harness, HarnessRun, ProcessHarness, TrialSpec
 from legorl.harnesses.claude_code import ClaudeCode
+from legorl.harnesses.codex import Codex
 from legorl.harnesses.install import Installation
 from legorl.harnesses.mini_swe_agent import MiniSweAgent
 from legorl.harnesses.opencode import OpenCode
@@ -23,9 +24,10 @@ from legorl.harnesses.simple import SimpleHarness
 from legorl.plugins import is_dotted_path, load_object, missing_members
 from legorl.sandbox.base import Sandbox
 
-# The four real harnesses (``all``), then legorl's own minimal driver for tiny demo models.
+# The four real harnesses (``all``); Codex (out of ``all`` until the proxy serves the Responses API);
+# then legorl's own minimal driver for tiny demo models.
 REAL: tuple[type[BaseHarness], ...] = (MiniSweAgent, OpenHands, OpenCode, ClaudeCode)
-_ALL: list[type[BaseHarness]] = [*REAL, SimpleHarness]
+_ALL: list[type[BaseHarness]] = [*REAL, Codex, SimpleHarness]
 #: Adapters by name; a plug-in joins under its dotted path the first time it is resolved.
 HARNESSES: dict[str, type[BaseHarness]] = {cls.name: cls for cls in _ALL}
 

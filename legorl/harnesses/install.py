@@ -1,8 +1,8 @@
-"""Cached, isolated, version-pinned installs of the four harnesses.
+"""Cached, isolated, version-pinned installs of the five harnesses.
 
 Each harness lives in its own folder ``cache_dir()/harnesses/<name>-<version>``: a virtual
 environment for the Python harnesses (mini-swe-agent on the host's Python, the OpenHands SDK on a
-Python >= 3.12), an npm prefix for the Node ones (OpenCode, Claude Code; their CLIs are native
+Python >= 3.12), an npm prefix for the Node ones (OpenCode, Claude Code, Codex; their CLIs are native
 binaries shipped inside the npm packages). Nothing is vendored: Claude Code in particular is
 proprietary and only ever installed on the user's machine, at run time, from the npm registry.
 
@@ -69,6 +69,11 @@ RECIPES: dict[str, Recipe] = {
     "claude-code": Recipe(
         "claude-code", "2.1.332", "npm", ("@anthropic-ai/claude-code@2.1.332",),
         native_package="@anthropic-ai/claude-code-linux-x64", native_path="claude",
+    ),
+    # The platform package is a static (musl) binary: it runs in any task image.
+    "codex": Recipe(
+        "codex", "0.171.0", "npm", ("@openai/codex@0.171.0",),
+        native_package="@openai/codex-linux-x64", native_path="vendor/x86_64-unknown-linux-musl/bin/codex",
     ),
 }
 
