@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -88,3 +89,16 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+#: The proxy session an engine call serves, set by the proxy around each call (None outside a
+#: session): the protocol has no session argument, and an engine pool routes by it.
+current_session: ContextVar[str | None] = ContextVar("legorl_current_session", default=None)
+
+
+@runtime_checkable
+class HealthProbed(Protocol):
+    """An engine that can say whether it serves (optional; an engine pool probes it to take a dead
+    engine out and bring it back). Answers promptly; False or an exception: not serving."""
+
+    async def healthy(self) -> bool: ...

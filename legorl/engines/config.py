@@ -14,6 +14,9 @@ from typing import Any
 from legorl.engines.base import Engine
 from legorl.errors import ConfigError
 
+UPSTREAM_HELP = ("URL of a running vLLM server (with --engine vllm; started with the flags in docs/vllm.md), or "
+                 "several comma-separated: each proxy session sticks to one, a dead one is taken out (docs/vllm.md).")
+
 
 @dataclass(kw_only=True)
 class EngineConfig:
@@ -24,8 +27,7 @@ class EngineConfig:
         "embedded (in-process transformers), vllm (a vLLM server: --upstream URL, or without it one started "
         "here on --model and stopped at the end; see `legorl vllm install`), or a plug-in Engine by dotted "
         "path (package.module:Class).")})
-    upstream: str | None = field(default=None, metadata={"help": (
-        "URL of a running vLLM server (with --engine vllm); started with the flags in docs/vllm.md.")})
+    upstream: str | None = field(default=None, metadata={"help": UPSTREAM_HELP})
     dtype: str | None = field(default=None, metadata={"help": (
         "Engine dtype: float32 (default), bfloat16, float16 (the embedded engine, or a vLLM server started here).")})
     device: str | None = field(default=None, metadata={"help": "Embedded engine device (default: cuda if present)."})
@@ -39,8 +41,7 @@ class EngineConfig:
         "The model name the proxy answers with (default: the model directory's name).")})
 
     def __post_init__(self) -> None:
-        if self.upstream and self.engine != "vllm":
-            raise ConfigError("--upstream is the vLLM server's URL: it needs --engine vllm")
+        check_upstream(self.upstream, self.engine)
         if self.engine == "vllm" and self.device is not None:
             raise ConfigError("--device is the embedded engine's; a vLLM server picks its own")
         if self.reload_tolerance is not None and not self.reload_tolerance > 0:
@@ -59,3 +60,14 @@ class EngineConfig:
         embedded: dict[str, Any] = {k: v for k, v in (("dtype", self.dtype), ("device", self.device),
                                                       ("max_batch", self.max_batch)) if v is not None}
         return make_engine(self.engine, model_dir=self.model, **embedded, **given)  # embedded, or a plug-in
+
+
+def check_upstream(upstream: str | None, engine: str) -> None:
+    """``--upstream`` (as serve-proxy, rollout, eval and loop take it) is one or more vLLM URLs."""
+    if upstream is None:
+        return
+    if engine != "vllm":
+        raise ConfigError("--upstream is a vLLM server's URL: it needs --engine vllm")
+    from legorl.engines.pool import split_upstreams
+
+    split_upstreams(upstream)

@@ -282,6 +282,15 @@ class VLLMEngine:
         final = Generation(token_ids=ids, logprobs=lps, finish_reason=reason, prompt_tokens=len(prompt_ids))
         yield TokenChunk(token_ids=[], logprobs=[], final=final)
 
+    async def healthy(self, timeout: float = 2.0) -> bool:
+        """The server answers ``GET /health`` with 200 within ``timeout`` seconds (a client of its own:
+        an engine pool probes from its own thread)."""
+        try:
+            async with httpx.AsyncClient(headers=self._headers, timeout=timeout) as client:
+                return (await client.get(f"{self.base_url}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     async def load_weights(self, path: str) -> None:
         """Have the server reload from checkpoint ``path``, then check that it serves exactly those weights."""
         checkpoint = Path(path)

@@ -39,6 +39,7 @@ from legorl.errors import LegorlError
 from legorl.paths import cache_dir, file_lock
 
 if TYPE_CHECKING:
+    from legorl.engines.base import Engine
     from legorl.engines.vllm import VLLMEngine
 
 VLLM_VERSION = "0.32.0"
@@ -316,14 +317,18 @@ class VLLMServer:
 
 def vllm_engine(model_dir: Path, upstream: str | None = None, *, name: str | None = None,
                 tokenizer: Path | None = None, dtype: str | None = None, max_num_seqs: int | None = None,
-                max_context: int | None = None, reload_tolerance: float | None = None) -> VLLMEngine:
-    """The engine on ``upstream`` (an existing server), or on a server started here on ``model_dir``
+                max_context: int | None = None, reload_tolerance: float | None = None) -> Engine:
+    """The engine on ``upstream`` (an existing server; several comma-separated: an
+    :class:`~legorl.engines.pool.EnginePool` over them), or on a server started here on ``model_dir``
     (stopped when the engine is closed)."""
+    from legorl.engines.pool import EnginePool, split_upstreams
     from legorl.engines.vllm import VLLMEngine
 
     tolerance = reload_tolerance if reload_tolerance is not None else DEFAULT_TOLERANCE
     if upstream is not None:
-        return VLLMEngine(upstream, name=name, max_context=max_context, reload_tolerance=tolerance)
+        engines = [VLLMEngine(url, name=name, max_context=max_context, reload_tolerance=tolerance)
+                   for url in split_upstreams(upstream)]
+        return engines[0] if len(engines) == 1 else EnginePool(engines)
     server = VLLMServer(model_dir, name=name, tokenizer=tokenizer, dtype=dtype or "float32",
                         max_model_len=max_context, max_num_seqs=max_num_seqs or MAX_NUM_SEQS)
     server.start()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from legorl.engines.base import Engine
+from legorl.engines.config import UPSTREAM_HELP, check_upstream
 from legorl.engines.watched import WatchedEngine
 from legorl.errors import LegorlError
 from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
@@ -30,9 +31,8 @@ class PolicySpec:
     engine: str = field(default="embedded", metadata={"help": (
         "What serves --model: embedded (in this process) or vllm (the server at --upstream, or one started "
         "here on --model; see `legorl vllm install`).")})
-    upstream: str | None = field(default=None, metadata={"help": (
-        "URL of a running vLLM server (with --engine vllm): it serves the policy, and a training loop reloads "
-        "its weights each step.")})
+    upstream: str | None = field(default=None, metadata={"help": UPSTREAM_HELP + (
+        " It serves the policy, and a training loop reloads its weights each step.")})
     reload_tolerance: float | None = field(default=None, metadata={"help": (
         "vLLM: the largest |Δ| in nats between served and checkpoint logprobs that a weight reload may leave "
         "(default 1e-3, for float32 serving; raise it for a bfloat16 server).")})
@@ -49,8 +49,7 @@ class PolicySpec:
             raise LegorlError("give exactly one of --model DIR (served here) or --proxy URL")
         if self.engine not in ENGINES:
             raise LegorlError(f"--engine {self.engine}: choose one of {', '.join(ENGINES)}")
-        if self.upstream is not None and self.engine != "vllm":
-            raise LegorlError("--upstream is a vLLM server's URL: it needs --engine vllm")
+        check_upstream(self.upstream, self.engine)
         if self.reload_tolerance is not None and not self.reload_tolerance > 0:
             raise LegorlError(f"--reload-tolerance {self.reload_tolerance}: must be > 0")
         if self.proxy_url is not None and self.engine != "embedded":
