@@ -8,6 +8,7 @@ events of :meth:`ProxyCore.call` (text deltas, then one :class:`CallResult`) int
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import secrets
 import threading
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from legorl.engines import PromptTooLong, RequestRejected
-from legorl.engines.base import MIN_TEMPERATURE, Engine, Generation, SamplingParams
+from legorl.engines.base import MIN_TEMPERATURE, Engine, Generation, SamplingParams, current_session
 from legorl.engines.watched import WatchedEngine
 from legorl.errors import LegorlError
 from legorl.proxy import budgets as B
@@ -228,6 +229,7 @@ class ProxyCore:
                 seen_lps: list[float] = []
                 seen_routing: list[Any] = []
                 stream = self.engine.stream(plan.prompt_ids, params)
+                placed = current_session.set(session.id)  # which engine of a pool serves it
                 try:
                     async for chunk in stream:
                         if not announced:  # the engine took the request (it may refuse it: a 400)
@@ -256,6 +258,8 @@ class ProxyCore:
                             break
                 finally:
                     await stream.aclose()  # type: ignore[attr-defined]
+                    with contextlib.suppress(ValueError):  # resumed in another context: nothing to undo
+                        current_session.reset(placed)
                 if text.cut is not None:
                     # Cut after the token that completed a stop string (see textstream.py); the
                     # routing of the kept tokens is the final chunk's, else the streamed rows'.
@@ -297,6 +301,12 @@ class ProxyCore:
             call.policy_version = version
             result = self._finish(session, req, plan, gen, text, call, t0)
             yield result
+
+    def engine_status(self) -> dict[str, Any]:
+        """What the engine reports of itself for ``/health``: an engine pool's per-engine status."""
+        engine = self.engine.inner if isinstance(self.engine, WatchedEngine) else self.engine
+        status = getattr(engine, "status", None)
+        return {"engines": status()} if callable(status) else {}
 
     def _call_version(self) -> int | None:
         """The policy version of the call in flight; None (unknown) behind an engine whose weight loads
