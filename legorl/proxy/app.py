@@ -139,7 +139,7 @@ class ProxyApp:
                      bound: str | None) -> None:
         if path == "/health":
             await _json(send, 200, {"status": "ok", "model": self.core.engine.name,
-                                    "sessions": len(self.core.sessions)})
+                                    "sessions": len(self.core.sessions), **self.core.engine_status()})
             return
         if bound is None:
             self._check_key(scope)
