@@ -4,6 +4,7 @@ string checks, JSON in, JSON or SSE out).
 Routes (``<id>`` is a session id; ``?beta=true`` and other query strings are ignored):
 
 - ``POST /sess/<id>/v1/chat/completions`` — OpenAI chat completions (also ``/sess/<id>/chat/completions``)
+- ``POST /sess/<id>/v1/responses`` — OpenAI Responses, stateless (also ``/sess/<id>/responses``)
 - ``POST /sess/<id>/v1/messages`` — Anthropic messages; ``POST /sess/<id>/v1/messages/count_tokens``
 - ``GET /v1/models``, ``GET /sess/<id>/v1/models`` — the served model (OpenAI + Anthropic fields)
 - ``GET /health``
@@ -12,7 +13,7 @@ Routes (``<id>`` is a session id; ``?beta=true`` and other query strings are ign
 - ``GET /sess/<id>/trajectory`` — the captured segments, calls and conversation as JSON
 - ``POST /sess/<id>/finish`` (or ``DELETE /sess/<id>``) — end the session: its capture is returned,
   written as a shard when the proxy has a run directory, and dropped from memory
-- ``POST /v1/chat/completions``, ``POST /v1/messages`` (no session in the URL) — a 404 saying to
+- ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/messages`` (no session in the URL) — a 404 saying to
   use ``/sess/<id>``, unless the app serves a single session (``single_session=True``,
   ``serve-proxy --single-session``): then they are the ``default`` session. Otherwise every client
   given a bare base URL would share (and read, and extend) one capture.
@@ -40,7 +41,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from legorl.errors import LegorlError
-from legorl.proxy import anthropic_api, openai_api
+from legorl.proxy import anthropic_api, openai_api, responses_api
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.core import CallResult, ChatRequest, ContextOverflow, ProxyCore, Started, TextDelta
 from legorl.proxy.sessions import Session
@@ -58,8 +59,9 @@ _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _OPENAI_ROUTES = ("/v1/chat/completions", "/chat/completions")
 _ANTHROPIC_ROUTES = ("/v1/messages", "/messages")
+_RESPONSES_ROUTES = ("/v1/responses", "/responses")
 _COUNT_ROUTES = ("/v1/messages/count_tokens", "/messages/count_tokens")
-_MODEL_ROUTES = frozenset({*_OPENAI_ROUTES, *_ANTHROPIC_ROUTES, *_COUNT_ROUTES, "/v1/models", "/models"})
+_MODEL_ROUTES = frozenset({*_OPENAI_ROUTES, *_RESPONSES_ROUTES, *_ANTHROPIC_ROUTES, *_COUNT_ROUTES, "/v1/models", "/models"})
 
 
 def session_route(path: str, session_id: str) -> str | None:
@@ -158,7 +160,7 @@ class ProxyApp:
             _require(method, "POST")
             await self._create_session(scope, await read_body(receive, self.max_body, allow_empty=True), send)
             return
-        if sub in _OPENAI_ROUTES or sub in _ANTHROPIC_ROUTES:
+        if sub in _OPENAI_ROUTES or sub in _RESPONSES_ROUTES or sub in _ANTHROPIC_ROUTES:
             _require(method, "POST")
             if session_id is None and not self.single_session:
                 raise BadRequest(
@@ -167,7 +169,8 @@ class ProxyApp:
             create = bound is None and (self.auto_create or session_id is None)
             session = self._session(session_id or "default", create=create)
             body = _parse_json(await read_body(receive, self.max_body))
-            await self._chat(send, session, body, "anthropic" if sub in _ANTHROPIC_ROUTES else "openai")
+            kind = "anthropic" if sub in _ANTHROPIC_ROUTES else "responses" if sub in _RESPONSES_ROUTES else "openai"
+            await self._chat(send, session, body, kind)
             return
         if sub in _COUNT_ROUTES:
             _require(method, "POST")
@@ -252,11 +255,15 @@ class ProxyApp:
     # ------------------------------------------------------------------ model calls
 
     async def _chat(self, send: Send, session: Session, body: Any, api: str) -> None:
+        """One model call; ``api`` is the front end that reads the body and shapes the reply:
+        ``openai`` (chat completions), ``responses`` or ``anthropic``."""
         req: ChatRequest
-        opts: openai_api.OpenAIOptions | anthropic_api.AnthropicOptions
+        opts: openai_api.OpenAIOptions | responses_api.ResponsesOptions | anthropic_api.AnthropicOptions
         try:
             if api == "openai":
                 req, opts = openai_api.parse_request(body, self.core.engine.name)
+            elif api == "responses":
+                req, opts = responses_api.parse_request(body, self.core.engine.name)
             else:
                 req, opts = anthropic_api.parse_request(body, self.core.engine.name)
         except BadRequest:
@@ -273,11 +280,21 @@ class ProxyApp:
         events = self.core.call(session, req)
         if not req.stream:
             result = await _consume(events)
-            out = openai_api.response(result, opts, renderer) if api == "openai" else anthropic_api.response(result, opts)
+            if api == "openai":
+                out = openai_api.response(result, opts, renderer)
+            elif api == "responses":
+                out = responses_api.response(result, opts)
+            else:
+                out = anthropic_api.response(result, opts)
             await _json(send, 200, out)
             return
-        stream: openai_api.ChunkStream | anthropic_api.EventStream
-        stream = openai_api.ChunkStream(opts) if api == "openai" else anthropic_api.EventStream(opts)
+        stream: openai_api.ChunkStream | responses_api.EventStream | anthropic_api.EventStream
+        if api == "openai":
+            stream = openai_api.ChunkStream(opts)
+        elif api == "responses":
+            stream = responses_api.EventStream(opts)
+        else:
+            stream = anthropic_api.EventStream(opts)
         started = False
         alive = True
         streamed = ""
@@ -309,7 +326,9 @@ class ProxyApp:
             if not started:
                 raise
             log.exception("streamed call failed in session %s", session.id)
-            if api == "openai":
+            if isinstance(stream, responses_api.EventStream):
+                await emit(stream.failed(str(exc)))
+            elif api == "openai":
                 await emit(openai_api.sse(openai_api.error_body(str(exc), kind="server_error")))
             else:
                 await emit(anthropic_api.event("error", anthropic_api.error_body(str(exc), "api_error")))

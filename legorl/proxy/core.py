@@ -37,7 +37,7 @@ from legorl.schemas import Call
 class ChatRequest:
     """A model call in canonical form (OpenAI-style messages), whichever API it came from."""
 
-    api: str  # "openai" | "anthropic"
+    api: str  # "openai" | "responses" | "anthropic"
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = True  # False for tool_choice "none"

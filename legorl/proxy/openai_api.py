@@ -62,7 +62,8 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _content(value: Any, where: str) -> str:
+def content_text(value: Any, where: str) -> str:
+    """A message's text: a string, or its text parts joined by newlines (images as ``[image]``)."""
     if value is None:
         return ""
     if isinstance(value, str):
@@ -117,7 +118,7 @@ def canonical_messages(value: Any) -> list[dict[str, Any]]:
         if not isinstance(role, str) or role not in _ROLES:
             raise BadRequest(f"{w}.role: must be one of {', '.join(_ROLES)}", f"{w}.role")
         canon_role = _ROLES[role]
-        msg: dict[str, Any] = {"role": canon_role, "content": _content(m.get("content"), f"{w}.content")}
+        msg: dict[str, Any] = {"role": canon_role, "content": content_text(m.get("content"), f"{w}.content")}
         if canon_role == "assistant" and m.get("tool_calls") is not None:
             calls = _tool_calls(m["tool_calls"], f"{w}.tool_calls")
             if calls:
