@@ -8,11 +8,13 @@ Used to pin down exactly what Codex sends, and by its tests until the proxy serv
 from __future__ import annotations
 
 import json
+import socketserver
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 
@@ -122,18 +124,35 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-class RecordingServer:
-    """``with RecordingServer(recorder) as url:`` serves on 127.0.0.1 (a free port) until exit."""
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
 
-    def __init__(self, recorder: Recorder, host: str = "127.0.0.1") -> None:
-        handler = type("Handler", (_Handler,), {"recorder": recorder})
-        self.server = ThreadingHTTPServer((host, 0), handler)
+
+class _UnixHandler(_Handler):
+    def address_string(self) -> str:  # a unix peer has no host
+        return "unix"
+
+
+class RecordingServer:
+    """``with RecordingServer(recorder) as url:`` serves on 127.0.0.1 (a free port) until exit, or
+    on the unix socket ``unix_path`` (a trial channel's, reached through the container's relay)."""
+
+    def __init__(self, recorder: Recorder, unix_path: Path | None = None) -> None:
+        self.server: socketserver.BaseServer
+        if unix_path is None:
+            self.server = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_Handler,), {"recorder": recorder}))
+        else:
+            handler = type("Handler", (_UnixHandler,), {"recorder": recorder, "client_address": ("unix", 0)})
+            self.server = _UnixHTTPServer(str(unix_path), handler)
+            unix_path.chmod(0o666)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        host, port = self.server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        address = self.server.server_address
+        if isinstance(address, tuple):
+            return f"http://{address[0]!s}:{address[1]}"
+        return f"unix:{address!s}"
 
     def __enter__(self) -> str:
         self.thread.start()
