@@ -1,0 +1,3 @@
+#!/bin/bash
+cd /app
+PYTHONDONTWRITEBYTECODE=1 python3 /tests/check.py
