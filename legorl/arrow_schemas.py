@@ -138,6 +138,12 @@ TASKS_SCHEMA = pa.schema(
         # JSON object: each test the task check saw change status across runs of the same patch (so left out of
         # FAIL_TO_PASS / PASS_TO_PASS) -> {"gold": [its status per gold run], "empty": [per empty-patch run]}
         pa.field("flaky_tests", _str),
+        # how the task is graded: null = SWE-style hidden tests; "harbor" = a Harbor task's tests/test.sh, whose
+        # files (base64 of a tar.gz) are hidden_tests, run in workdir (the image's WORKDIR) under test_timeout
+        pa.field("grader", _str),
+        pa.field("hidden_tests", _str),
+        pa.field("workdir", _str),
+        pa.field("test_timeout", pa.float64()),
     ]
 )
 

@@ -244,6 +244,10 @@ class TaskRow(_Row):
     log_parser: str | None = None
     gold_statuses: str | None = None
     flaky_tests: str | None = None  # JSON: {test: {"gold": [status per run], "empty": [...]}} (see TASKS_SCHEMA)
+    grader: str | None = None  # how the task is graded: None = SWE-style hidden tests, "harbor" = its tests/test.sh
+    hidden_tests: str | None = None  # "harbor": base64 of a tar.gz of the task's tests/ (uploaded to /tests only to grade)
+    workdir: str | None = None  # "harbor": the image's WORKDIR, the repository the patch is taken from (/testbed links to it)
+    test_timeout: float | None = None  # seconds the task's own tests may run (Harbor's [verifier] timeout_sec)
 
     def gold_status_map(self) -> dict[str, str] | None:
         """``gold_statuses`` as a dict (None when the task has no recorded reference)."""

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from legorl.errors import ConfigError, LegorlError
+from legorl.grading import harbor
 from legorl.grading.container import GradingContainers, GradingInfraError
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
 from legorl.grading.report import evaluate, failed_report
@@ -175,6 +176,9 @@ class Grader:
         if not text.strip() and not self.options.run_empty:
             self._zero(out, GradeStatus.EMPTY_PATCH, "empty patch: nothing to grade", task)
             return
+        if task.grader == harbor.HARBOR:  # its own tests/test.sh decides (legorl.grading.harbor)
+            harbor.grade(self, task, text, out)
+            return
         reference = self.reference(task)
         run, report_nonce = self.containers.run(task, text)
         out.log = run.result.output
@@ -271,8 +275,11 @@ class Grader:
         if seen is not None and time.monotonic() - seen[0] < CONTROL_TTL_S and not seen[1]:
             return None
         try:
-            run, nonce = self.containers.run(task, task.patch or "")
-            problem = run.failure(nonce) if "ready" in run.events else run.before_patch_error()
+            if task.grader == harbor.HARBOR:
+                problem = harbor.control_problem(self, task)
+            else:
+                run, nonce = self.containers.run(task, task.patch or "")
+                problem = run.failure(nonce) if "ready" in run.events else run.before_patch_error()
         except Exception as exc:  # the control's failure, whatever it is, is the evidence
             problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         with self._lock:
