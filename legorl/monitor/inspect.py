@@ -6,7 +6,9 @@ The JSON form is for scripts; its keys are stable:
 "commands", "duplicate_keys", "temp_files", "breakdown"}], "errors": [str]}``, plus ``"health"``
 (``legorl.monitor.health.health_summary``) when the path is a run directory holding trials.
 
-``breakdown`` depends on the kind: tasks ``{"repos": {repo: n}}``; rollouts ``{"outcomes",
+``breakdown`` depends on the kind: tasks ``{"repos": {repo: n}, "flaky_tests": {instance_id: {"count": n,
+"names": [test]}}}`` (the tests the task check left out for changing status between runs of one patch;
+only tasks that have any); rollouts ``{"outcomes",
 "harnesses", "steps", "infra_failures", "sampled_tokens", "segments"}``, plus ``"staleness": {"lag L": share
 of trials}`` when calls record their policy version (``legorl.provenance.lag_shares``); grades ``{"statuses",
 "resolved", "reward_mean", "infra_failures", "suspicious"}``; metrics ``{"steps", "keys", "last": {key: value}}``.
@@ -14,6 +16,7 @@ of trials}`` when calls record their policy version (``legorl.provenance.lag_sha
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -54,7 +57,7 @@ def _counts(values: list[Any]) -> dict[str, int]:
 def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
     t = dataset.table
     if dataset.kind == Kind.TASKS:
-        return {"repos": _counts(t.column("repo").to_pylist())}
+        return {"repos": _counts(t.column("repo").to_pylist()), "flaky_tests": _flaky(t)}
     if dataset.kind == Kind.ROLLOUTS:
         segments = t.column("segments")
         flat = pc.list_flatten(segments)
@@ -91,6 +94,19 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
         ):
             last[key if harness is None else f"{key}[{harness}]"] = value
     return {"steps": len(steps), "keys": len(set(t.column("key").to_pylist())), "last": dict(sorted(last.items()))}
+
+
+def _flaky(t: Any) -> dict[str, Any]:
+    """Per task with flaky tests (``TaskRow.flaky_tests``): how many and which."""
+    out: dict[str, Any] = {}
+    for iid, recorded in zip(t.column("instance_id").to_pylist(), t.column("flaky_tests").to_pylist(), strict=True):
+        try:
+            names = sorted(json.loads(recorded)) if recorded else []
+        except (ValueError, TypeError):
+            names = ["(unreadable flaky_tests)"]
+        if names:
+            out[iid] = {"count": len(names), "names": names}
+    return dict(sorted(out.items()))
 
 
 def _staleness(t: Any) -> dict[str, Any]:

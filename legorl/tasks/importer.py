@@ -39,7 +39,7 @@ from legorl.schemas import Kind, TaskRow
 STRING_FIELDS = (
     "repo", "base_commit", "patch", "test_patch", "problem_statement", "hints_text", "created_at",
     "version", "environment_setup_commit", "image", "repo_source", "repo_ref", "test_command",
-    "log_parser", "gold_statuses",
+    "log_parser", "gold_statuses", "flaky_tests",
 )
 ALIASES = {"image_name": "image"}  # SWE-smith names its image column differently
 LOCAL_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -226,6 +226,15 @@ def normalize(raw: Mapping[str, Any], index: int, base_dir: Path, source: object
         if not isinstance(statuses, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in statuses.items()):
             raise err("gold_statuses", "expected a JSON object of test id -> status")
+    if values["flaky_tests"]:  # the task check's record (legorl.tasks.builder.flaky_tests)
+        try:
+            flaky = json.loads(values["flaky_tests"])
+        except json.JSONDecodeError as exc:
+            raise err("flaky_tests", f"not JSON ({exc.msg})") from None
+        if not isinstance(flaky, dict) or not all(
+                isinstance(seen, dict) and all(isinstance(s, list) and all(isinstance(x, str) for x in s)
+                                               for s in seen.values()) for seen in flaky.values()):
+            raise err("flaky_tests", "expected a JSON object of test id -> {patch: [status per run]}")
     if values["repo_source"]:
         src = Path(values["repo_source"]).expanduser()
         src = src if src.is_absolute() else base_dir / src
