@@ -43,6 +43,10 @@ from legorl.routing import capture_routing, routing_shape
 
 __all__ = ["EmbeddedEngine", "EngineStats", "measure_throughput", "process_logits"]
 
+# One from_pretrained at a time in this process: two at once (two engines of a pool loading a
+# checkpoint) race on transformers' process-wide meta-device init ("Cannot copy out of meta tensor").
+_LOADING = threading.Lock()
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -148,7 +152,8 @@ class EmbeddedEngine:
         if not (Path(path) / "config.json").exists():
             raise ConfigError(f"{path}: not a model directory (no config.json); build one with `legorl model init`")
         hf_logging.disable_progress_bar()
-        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        with _LOADING:
+            model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         return model.to(self.device).eval()
 
     def _submit(self, prompt: list[int], params: SamplingParams) -> Request:
