@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,11 @@ from proxy_support import TOOLS, call_bash, oa, say, scripted_engine
 from test_proxy_fidelity import _check, _recompute
 from transformers import AutoModelForCausalLM
 
+from legorl.engines.base import SamplingParams, TokenChunk
 from legorl.engines.embedded import EmbeddedEngine
+from legorl.engines.scripted import ScriptedEngine
 from legorl.proxy.app import session_route
+from legorl.proxy.budgets import Budgets
 from legorl.proxy.server import ProxyServer
 from legorl.schemas import SegmentReason
 
@@ -154,6 +157,47 @@ def test_max_output_tokens_is_an_incomplete_response(proxy: ProxyServer) -> None
     events = list(client.responses.create(model="m", input=say("word ", 40), max_output_tokens=4, stream=True))
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+
+
+def test_budget_stops_and_context_overflow_are_responses_or_openai_errors(proxy: ProxyServer) -> None:
+    sid = proxy.new_session(Budgets(max_turns=1))
+    client = oa(proxy, sid)
+    assert [o.type for o in client.responses.create(model="m", input=call_bash("ls"), tools=[BASH]).output] == [  # type: ignore[list-item]
+        "function_call"]
+    for stream in (False, True):
+        if stream:
+            events = list(client.responses.create(model="m", input="x", tools=[BASH], stream=True))  # type: ignore[list-item]
+            assert _check_sequence(events)[-1] == "response.completed"
+            r = events[-1].response  # type: ignore[union-attr]
+        else:
+            r = client.responses.create(model="m", input="x", tools=[BASH])  # type: ignore[list-item]
+        assert r.status == "completed" and "maximum number of turns" in r.output_text
+    assert [c.budget_stop for c in proxy.capture(sid).calls] == [None, "max_turns", "max_turns"]
+    sid2 = proxy.new_session(Budgets(max_context=100, context_overflow="error"))
+    with pytest.raises(openai.BadRequestError) as err:
+        oa(proxy, sid2).responses.create(model="m", input="word " * 400)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "input"  # type: ignore[attr-defined]
+
+
+class _FailingMidStream(ScriptedEngine):
+    """Streams one token, then fails: the failure reaches a client whose stream has begun."""
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        async for chunk in super().stream(prompt_ids, params):
+            yield TokenChunk(token_ids=chunk.token_ids, logprobs=chunk.logprobs)
+            raise RuntimeError("the engine is down")
+
+
+def test_an_engine_failure_mid_stream_is_response_failed(tokenizer: Any) -> None:
+    engine = _FailingMidStream(tokenizer, lambda call: "Hello there, a long reply.")
+    with ProxyServer(engine, tokenizer) as server:
+        sid = server.new_session()
+        events = list(oa(server, sid).responses.create(model="m", input="hi", stream=True))
+        kinds = _check_sequence(events)
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.failed"
+        final = events[-1].response  # type: ignore[union-attr]
+        assert final.status == "failed" and final.error is not None and "engine is down" in final.error.message
+        assert server.capture(sid).engine_errors == ["RuntimeError: the engine is down"]
 
 
 # ------------------------------------------------------------------ streaming

@@ -128,7 +128,7 @@ class ProxyApp:
                 await _error(send, api, 400, f"prompt is too long: {exc}")
             else:
                 await _error(send, api, 400, f"This model's maximum context length was exceeded: {exc}",
-                             "messages", "context_length_exceeded")
+                             "input" if "/responses" in path else "messages", "context_length_exceeded")
         except Disconnected:
             pass
         except Exception as exc:  # a bug or an engine failure: a server error, logged, never a hang
