@@ -15,7 +15,9 @@ sub = typer.Typer(help="Task sets: import SWE-bench-style data, build tasks offl
 
 @sub.command("import")
 def import_command(
-    source: Annotated[str, typer.Argument(help="A Hugging Face dataset id, or a local .parquet/.jsonl/.json file.")],
+    source: Annotated[str, typer.Argument(help=(
+        "A Hugging Face dataset id, a local .parquet/.jsonl/.json file, or a folder of Harbor task directories "
+        "(or one): their images are built with podman, offline."))],
     run: RunOption,
     split: Annotated[str, typer.Option(help="Dataset split (Hub datasets only).")] = "test",
     limit: Annotated[int | None, typer.Option(help="Import at most this many rows.")] = None,
@@ -26,12 +28,17 @@ def import_command(
     from legorl.paths import RunDir
     from legorl.stages.tasks import import_stage
 
-    result = import_stage(source, RunDir.at(run).tasks, split=split, limit=limit, instance_ids=instance_id)
+    result = import_stage(source, RunDir.at(run).tasks, split=split, limit=limit, instance_ids=instance_id,
+                          log=lambda s: console.print(s, highlight=False))
+    errors: list[str] = getattr(result, "errors", [])  # Harbor task directories that were not imported
     if json_out:
-        print_json({"source": source, "written": result.written, "unchanged": result.unchanged, "file": result.path})
-        return
-    console.print(f"imported {len(result.written)} task(s) from {source} into {RunDir.at(run).tasks}"
-                  f" ({len(result.unchanged)} already there)", highlight=False)
+        print_json({"source": source, "written": result.written, "unchanged": result.unchanged, "file": result.path,
+                    **({"errors": errors} if errors else {})})
+    else:
+        console.print(f"imported {len(result.written)} task(s) from {source} into {RunDir.at(run).tasks}"
+                      f" ({len(result.unchanged)} already there)", highlight=False)
+    if errors:
+        fail(f"{len(errors)} task(s) not imported:\n" + "\n".join(errors))
 
 
 @sub.command("build")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from legorl import shards
@@ -13,9 +13,16 @@ from legorl.tasks.importer import ImportResult, import_tasks
 
 def import_stage(
     source: str, tasks_dir: str | os.PathLike[str], split: str = "test", limit: int | None = None,
-    instance_ids: Iterable[str] | None = None,
+    instance_ids: Iterable[str] | None = None, log: Callable[[str], None] = lambda _s: None,
 ) -> ImportResult:
-    """Validate ``source`` and add its new or changed rows to ``tasks_dir``."""
+    """Validate ``source`` and add its new or changed rows to ``tasks_dir``. A folder of Harbor task
+    directories (or one) is imported by :mod:`legorl.tasks.harbor`: its result's ``errors`` name the
+    tasks that were not."""
+    from legorl.tasks.harbor import import_harbor, is_harbor_source
+
+    if is_harbor_source(Path(source).expanduser()):
+        return import_harbor(Path(source).expanduser(), tasks_dir, instance_ids=list(instance_ids) if instance_ids
+                             is not None else None, limit=limit, log=log)
     return import_tasks(source, tasks_dir, split=split, limit=limit, instance_ids=instance_ids)
 
 
