@@ -15,6 +15,8 @@ def _value(value: Any) -> str:
         return f"{value:.4g}"
     if isinstance(value, dict):
         return ", ".join(f"{k} {_value(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, list):
+        return "; ".join(_value(v) for v in value) or "-"
     return str(value)
 
 

@@ -9,6 +9,9 @@ lives in ``RUN/eval/``, which has the layout of a run directory of its own::
     RUN/eval/grades/     one grade row per trial
     RUN/eval/report.json, report.md, predictions.jsonl
 
+The report carries, beside the monitor's figures, ``cost``: what the trials cost per step and
+harness (:func:`legorl.costs.cost_table`).
+
 Because ``RUN/eval`` is laid out like a run, the unchanged stage functions (and the plain
 ``legorl rollout --run RUN/eval`` / ``legorl grade --run RUN/eval`` commands) work on it, and the
 monitor's :class:`~legorl.monitor.loading.RunReader` reads it. This module owns only what is
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from legorl import shards
+from legorl.costs import run_costs
 from legorl.errors import LegorlError
 from legorl.grading.grader import GradeOptions
 from legorl.paths import RunDir
@@ -170,6 +174,7 @@ def build_eval_report(settings: EvalSettings) -> tuple[dict[str, Any], Any]:
         raise LegorlError(f"{view.rollouts}: none of this eval's {len(planned)} trial(s) are there")
     report = monitor_report.build_report(snap, [settings.step], settings.ks)
     report["settings"] = settings.as_report_dict()
+    report["cost"] = run_costs(view.root, set(snap.trials))  # per step and harness (legorl.costs)
     if settings.baseline is not None:
         tasks = {t.task_id for t in snap.trials.values()}
         harnesses = set(settings.harnesses)

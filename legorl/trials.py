@@ -28,7 +28,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
+from legorl.costs import trial_cost
 from legorl.errors import ConfigError, LegorlError
+from legorl.fingerprints import trial_fingerprint
 from legorl.harnesses import Harness, parse_names
 from legorl.harnesses import get as get_harness
 from legorl.harnesses.base import KILL_GRACE_S, LOG_NAME, End, HarnessRun, ProxyView, TrialSpec, classify
@@ -202,8 +204,11 @@ class TrialRunner:
         key = trial_key(job.task.instance_id, job.harness, cfg.step, job.sample_index)
         attempt: Attempt | None = None
         n = 0
+        sandbox_s = 0.0  # each attempt's sandbox lives as long as the attempt
         for n in range(first_attempt, max(first_attempt, cfg.retries + 1) + 1):
+            t = time.monotonic()
             attempt = self.attempt(job, key, n)
+            sandbox_s += time.monotonic() - t
             if attempt.outcome is not Outcome.INFRA_ERROR or self.stopping.is_set():
                 break
             if n <= cfg.retries:
@@ -220,6 +225,7 @@ class TrialRunner:
             segments=[] if infra else cap.segments, calls=cap.calls,
             messages=None if infra else json.dumps(cap.messages, ensure_ascii=False),
             timings=attempt.timings, started_at=started, finished_at=time.time(),
+            fingerprint=trial_fingerprint(job.harness, cfg, self.proxy), cost=trial_cost(cap.calls, n, sandbox_s),
         )
 
     def attempt(self, job: TrialJob, key: str, n: int) -> Attempt:

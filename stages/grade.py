@@ -20,6 +20,7 @@ from typing import Any
 from legorl import shards
 from legorl.errors import LegorlError
 from legorl.executors import ExecutorOptions, Work
+from legorl.fingerprints import grade_fingerprint
 from legorl.grading.grader import GradeOptions, Grader
 from legorl.jsonfiles import LONE_SURROGATE, json_lines, loads, read_utf8
 from legorl.schemas import GradeRow, GradeStatus, Kind, TaskRow, trial_key
@@ -202,7 +203,8 @@ class Grading(Work[tuple[TaskRow, Job], GradeRow]):
         if attempts <= self.retries:
             return None
         return GradeRow(trial_id=job.trial_id, task_id=job.task_id, status=GradeStatus.INFRA_ERROR,
-                        infra_failure=True, harness=job.harness, step=job.step, error=error)
+                        infra_failure=True, harness=job.harness, step=job.step, error=error,
+                        fingerprint=grade_fingerprint(item[0]))
 
     def backoff_s(self, attempts: int) -> float:
         return 2.0 * attempts

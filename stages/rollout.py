@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from legorl import shards
+from legorl.costs import trial_cost
 from legorl.engines.watched import WatchedEngine
 from legorl.errors import ConfigError, LegorlError
 from legorl.executors import ExecutorOptions, Work
+from legorl.fingerprints import trial_fingerprint
 from legorl.harnesses import get as get_harness
 from legorl.harnesses.install import require
 from legorl.harnesses.processes import kill_host_processes
@@ -187,7 +189,8 @@ class _TrialWork(Work[TrialJob, TrialRow]):
         now = time.time()
         return TrialRow.new(job.task.instance_id, job.harness, cfg.step, job.sample_index,
                             outcome=Outcome.INFRA_ERROR, infra_failure=True, model=self.model, error=error,
-                            attempts=attempts, started_at=now, finished_at=now)
+                            attempts=attempts, started_at=now, finished_at=now,
+                            fingerprint=trial_fingerprint(job.harness, cfg), cost=trial_cost([], attempts, None))
 
     def backoff_s(self, attempts: int) -> float:
         return self.cfg.backoff_s * 2 ** (attempts - 1)

@@ -263,3 +263,29 @@ def test_any_tool_can_open_a_dataset(tmp_path: Path) -> None:
 
     ds = load_dataset("parquet", data_files=str(tmp_path / "part-*.parquet"), split="train")
     assert len(ds[0]["segments"][0]["token_ids"]) == 40
+
+
+def test_rows_written_before_fingerprints_and_costs_still_read(tmp_path: Path) -> None:
+    """Shards without the fingerprint and cost columns (older legorl) read with them null, and a
+    trial's cost is then derived from its calls (legorl.costs)."""
+    from legorl.costs import cost_of, trial_cost
+    from legorl.fingerprints import grade_fingerprint, trial_fingerprint
+
+    new = make_trial(fingerprint=trial_fingerprint("mini-swe-agent"), cost=trial_cost(make_trial().calls, 2, 9.5))
+    grade = sample_rows()[Kind.GRADES][0]
+    grade.fingerprint = grade_fingerprint(TaskRow(instance_id="repo__1", test_command="pytest"))
+    for kind, rows, dropped in ((Kind.ROLLOUTS, [new], ["fingerprint", "cost"]), (Kind.GRADES, [grade], ["fingerprint"])):
+        folder = tmp_path / kind.value
+        shards.write(folder, kind, rows)
+        assert shards.read_rows(folder, kind)[0].to_dict() == rows[0].to_dict()  # the new fields round-trip
+        [part] = shards.part_files(folder)
+        table = pq.read_table(part)
+        old = table.drop_columns(dropped).replace_schema_metadata(table.schema.metadata)
+        pq.write_table(old, part)
+        [back] = shards.read_rows(folder, kind)
+        assert back.fingerprint is None and getattr(back, "cost", None) is None
+    [old_trial] = shards.read_rows(tmp_path / "rollouts", Kind.ROLLOUTS)
+    derived = cost_of(old_trial)
+    assert derived.prompt_tokens == 20 and derived.sampled_tokens == 20 and derived.cached_tokens == 0
+    assert derived.engine_s == 0.25 and derived.retries == 0 and derived.sandbox_s is None
+    assert new.cost is not None and new.cost.retries == 1 and new.cost.sandbox_s == 9.5

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from legorl.errors import ConfigError, LegorlError
+from legorl.fingerprints import grade_fingerprint
 from legorl.grading import harbor
 from legorl.grading.container import GradingContainers, GradingInfraError
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
@@ -112,6 +113,7 @@ class Grader:
         if self.options.confirm and out.reward == 1.0:
             self._confirm(task, patch, out)
         out.duration_s = round(time.monotonic() - start, 3)
+        out.fingerprint = grade_fingerprint(task, self.containers)
         if out.log is not None:
             out.log = _trim(out.log)
         return out

@@ -18,8 +18,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from legorl import fingerprints, provenance
 from legorl import metric_keys as mk
-from legorl import provenance
 from legorl.monitor import behaviour, stats
 from legorl.monitor.loading import RunReader, Snapshot
 
@@ -83,6 +83,7 @@ def health_summary(run: str | os.PathLike[str] | Snapshot) -> dict[str, Any]:
         "fidelity": fidelity,
         "staleness": _staleness(metrics),
         "eval": _eval_headline(snap.eval_report),
+        "fingerprint_mixes": fingerprints.run_mixes(snap.root),
     }
     summary["warnings"] = warnings(summary)
     return summary
@@ -151,6 +152,7 @@ def warnings(summary: dict[str, Any]) -> list[str]:
         value = entry.get("value")
         if isinstance(value, int | float) and test(value):
             out.append(f"{message} ({key} = {value:.3g} at step {entry.get('step')})")
+    out += [f"rows mix fingerprints: {line}" for line in summary.get("fingerprint_mixes") or []]
     return out
 
 

@@ -11,7 +11,9 @@ The JSON form is for scripts; its keys are stable:
 only tasks that have any); rollouts ``{"outcomes",
 "harnesses", "steps", "infra_failures", "sampled_tokens", "segments"}``, plus ``"staleness": {"lag L": share
 of trials}`` when calls record their policy version (``legorl.provenance.lag_shares``); grades ``{"statuses",
-"resolved", "reward_mean", "infra_failures", "suspicious"}``; metrics ``{"steps", "keys", "last": {key: value}}``.
+"resolved", "reward_mean", "infra_failures", "suspicious"}``; rollouts and grades add ``"fingerprint_mixes":
+[line]`` when their rows' fingerprints disagree (``legorl.fingerprints.mixes``: two harness versions or configs,
+two images or grader versions for one task...); metrics ``{"steps", "keys", "last": {key: value}}``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from legorl import provenance, shards
+from legorl import fingerprints, provenance, shards
 from legorl.errors import ShardError
 from legorl.paths import RunDir
 from legorl.schemas import Kind
@@ -72,6 +74,7 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
             "sampled_tokens": sampled,
             "segments": len(flat),
             **_staleness(t),
+            **_mixes(trials=t.select(["harness", "step", "fingerprint"]).to_pylist()),
         }
     if dataset.kind == Kind.GRADES:
         reward = pc.mean(t.column("reward")).as_py() if t.num_rows else None
@@ -83,6 +86,7 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
             # grades whose patch added code that reaches into the test runner (whatever they scored)
             "suspicious": int(pc.sum(pc.greater(pc.fill_null(pc.list_value_length(t.column("suspicious")), 0), 0))
                               .as_py() or 0),
+            **_mixes(grades=t.select(["task_id", "fingerprint"]).to_pylist()),
         }
     steps = sorted(set(t.column("step").to_pylist()))
     last: dict[str, Any] = {}
@@ -113,6 +117,12 @@ def _staleness(t: Any) -> dict[str, Any]:
     """``{"staleness": {"lag L": share of trials}}`` when calls record their policy version, else {}."""
     shares = provenance.lag_shares(t.select(["trial_id", "step", "calls"]).to_pylist())
     return {"staleness": {f"lag {lag}": share for lag, share in shares.items()}} if shares else {}
+
+
+def _mixes(**rows: Any) -> dict[str, Any]:
+    """``{"fingerprint_mixes": [line]}`` where the rows' fingerprints disagree (legorl.fingerprints), else {}."""
+    found = fingerprints.mixes(**rows)
+    return {"fingerprint_mixes": found} if found else {}
 
 
 def summarize_dataset(name: str, folder: Path, kind: Kind) -> dict[str, Any]:

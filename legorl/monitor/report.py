@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from legorl import costs
 from legorl.errors import LegorlError
 from legorl.monitor import behaviour, passk, stats
 from legorl.monitor.loading import RunReader, Snapshot
@@ -160,6 +161,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines.append("|" + "---|" * (len(names) + 1))
     for metric in ["trials", *behaviour.METRICS]:
         lines.append(f"| {metric} | " + " | ".join(_num(report["behaviour"][n].get(metric)) for n in names) + " |")
+    lines += costs.to_markdown(report.get("cost") or [])  # legorl eval's (legorl.evaluation)
     return "\n".join(lines) + "\n"
 
 

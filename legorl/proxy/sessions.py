@@ -37,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from legorl.costs import trial_cost
 from legorl.engines.base import Generation
+from legorl.fingerprints import trial_fingerprint
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.render import ChatRenderer
 from legorl.schemas import Call, Outcome, Segment, SegmentReason, TrialRow, budget_outcome
@@ -208,6 +210,8 @@ class SessionCapture:
         meta.setdefault("model", self.model)
         meta.setdefault("started_at", self.created_at)
         meta.setdefault("finished_at", time.time())
+        meta.setdefault("fingerprint", trial_fingerprint(harness))  # an external harness: its config is unknown
+        meta.setdefault("cost", trial_cost(self.calls, int(meta.get("attempts") or 1), None))
         known = set(TrialRow.__dataclass_fields__)
         extra = {k: v for k, v in meta.items() if k in known}
         return TrialRow.new(

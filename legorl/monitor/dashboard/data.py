@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from legorl import costs
 from legorl import metric_keys as mk
 from legorl.monitor import behaviour, stats
 from legorl.monitor.behaviour import classify_call
@@ -73,6 +74,7 @@ def overview(snap: Snapshot) -> dict[str, Any]:
         "grid": stats.task_step_grid(snap),
         "trials": _trial_rows(snap),
         "eval": snap.eval_report,
+        "cost": costs.run_costs(snap.root),  # per step and harness (legorl.costs)
     }
 
 
@@ -187,4 +189,5 @@ def trial_detail(reader: RunReader, trial_id: str) -> dict[str, Any]:
         "category": stats.category(info, snap.grades.get(trial_id)),
         "patch": row.patch, "messages": _annotated_messages(messages), "segments": segs, "calls": calls,
         "behaviour": behaviour.behaviour_dict(info.behaviour), "grade": grade_data,
+        "cost": costs.cost_of(row).to_dict(), "fingerprint": row.fingerprint.to_dict() if row.fingerprint else None,
     }

@@ -401,6 +401,10 @@ function renderViewer(d) {
     ["tokens", `${b.model_tokens} sampled · ${b.env_tokens} prompt/tool`],
     ["actions", `${b.edits} edits · ${b.reads} reads · ${b.test_runs} test runs`], ["behaviour", flags || "—"],
     ["time", `total ${fmt(t.total_s)} s · agent ${fmt(t.agent_s)} s · model ${fmt(t.model_s)} s · sandbox ${fmt(t.sandbox_s)} s`],
+    ["cost", d.cost ? `sandboxes ${fmt(d.cost.sandbox_s)} s · engine ${fmt(d.cost.engine_s)} s · ${d.cost.prompt_tokens} prompt ` +
+      `(${d.cost.cached_tokens} cached) · ${d.cost.sampled_tokens} sampled tokens · ${d.cost.retries} retries` : "—"],
+    ["made by", d.fingerprint ? esc(`${d.fingerprint.harness} ${d.fingerprint.harness_version || "?"} · config ` +
+      `${d.fingerprint.harness_config || "?"} · legorl ${d.fingerprint.legorl_version || "?"} · model ${d.fingerprint.model_revision || "?"}`) : "—"],
   ]);
   const segTable = table([
     { key: "index", label: "segment", num: true }, { key: "reason", label: "reason", render: (v) => `<span class="tag ${v === "main" ? "" : "warn"}">${esc(v)}</span>` },
@@ -475,13 +479,28 @@ async function openTrial(run, row) {
   }
 }
 
+function renderCost(ov) {
+  const rows = ov.cost || [];
+  setPanel("panel-cost", rows.length > 0, "No trials yet.");
+  const n = (digits) => (v) => (v === null || v === undefined ? "—" : Number(v).toFixed(digits));
+  $("cost-table").innerHTML = table([
+    { key: "step", label: "step", num: true }, { key: "harness", label: "harness" }, { key: "trials", label: "trials", num: true },
+    { key: "sandbox_s_per_trial", label: "sandbox s", num: true, render: n(1) },
+    { key: "engine_s_per_trial", label: "engine s", num: true, render: n(2) },
+    { key: "prompt_tokens_per_trial", label: "prompt tok", num: true, render: n(0) },
+    { key: "sampled_tokens_per_trial", label: "sampled tok", num: true, render: n(0) },
+    { key: "cached_share", label: "cached", num: true, render: pct },
+    { key: "retries", label: "retries", num: true },
+  ], rows) + `<p class="muted">per trial (means); cached = prompt tokens reused from the session's history</p>`;
+}
+
 // ------------------------------------------------------------------ refresh loop
 
 function renderAll() {
   const ov = state.overviews[0];
   $("run-name").textContent = state.runs.map((r) => r.name).join(" vs ");
   document.title = `legorl · ${state.runs[0].name}`;
-  const panels = [renderCounts, renderReward, renderOutcomes, renderGroups, renderGrid, renderFidelity, renderBehaviour, renderEval];
+  const panels = [renderCounts, renderReward, renderOutcomes, renderGroups, renderGrid, renderFidelity, renderBehaviour, renderEval, renderCost];
   for (const fn of panels) {
     try { fn(ov); } catch (err) { console.error(fn.name, err); }
   }

@@ -1,0 +1,231 @@
+"""What produced each row, and what each trial cost.
+
+A trial row's :class:`~legorl.schemas.TrialFingerprint` names the harness, its installed version, a
+digest of its effective config (the ``--harness-config`` file's bytes and the trial options the
+harness is given), legorl's version and the model revision (a digest of the model directory's files
+as the engine loaded them; the weights the loop loads later are each call's ``policy_version``,
+:mod:`legorl.provenance`). A grade row's :class:`~legorl.schemas.GradeFingerprint` names the image
+and podman's id of it, the hidden-test command as run and the grader's version. :func:`mixes` says
+where a run's rows disagree — two harness versions or configs for one harness, two model revisions
+in one step, two images or grader versions for one task — for ``legorl inspect``.
+
+Hashing is cached per process: a model directory is hashed once per (path, file sizes and mtimes),
+an image inspected once per name, the grading code once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from legorl import __version__ as LEGORL_VERSION
+from legorl.errors import LegorlError
+from legorl.schemas import GradeFingerprint, TaskRow, TrialFingerprint
+
+_CHUNK = 1 << 20
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
+
+
+def _get(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+
+
+# --------------------------------------------------------------------------- trials
+
+
+@functools.cache
+def harness_version(name: str) -> str | None:
+    """The installed version of harness ``name``: its install's (legorl's installs are pinned), a
+    plug-in's distribution's, legorl's for its built-in ones; None for a name legorl cannot resolve."""
+    from legorl.harnesses import harness_class
+    from legorl.harnesses.install import RECIPES, installed
+
+    if name in RECIPES:
+        found = installed(name)
+        return found.version if found is not None else None
+    try:
+        cls = harness_class(name)
+    except LegorlError:
+        return None
+    top = cls.__module__.split(".")[0] if ":" not in name else name.split(":")[0].split(".")[0]
+    if top == "legorl":
+        return LEGORL_VERSION
+    for dist in importlib.metadata.packages_distributions().get(top, []):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.cache
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, cached while its size and mtime stay the same."""
+    st = path.stat()
+    return _file_digest(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def harness_config(cfg: Any, context_tokens: int | None = None) -> str:
+    """The digest of a harness's effective config: its config file's bytes (``--harness-config``;
+    none = the adapter's own, which the harness and legorl versions pin) and the options each trial
+    hands it (:class:`~legorl.harnesses.base.TrialSpec`'s limits and sampling)."""
+    path = getattr(cfg, "harness_config", None)
+    options = {name: getattr(cfg, name, None) for name in ("max_turns", "max_tokens", "temperature", "timeout_s")}
+    effective = {"config_file": file_digest(Path(path)) if path is not None else None,
+                 "options": options, "context_tokens": context_tokens}
+    return _digest(json.dumps(effective, sort_keys=True).encode())
+
+
+def model_revision(model_dir: Path) -> str:
+    """The digest of a model directory's files (weights, tokenizer, configs; names and bytes),
+    each file hashed once per process while its size and mtime stay the same."""
+    files = sorted(p for p in Path(model_dir).iterdir() if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise LegorlError(f"{model_dir}: no files to fingerprint (not a model directory)")
+    listing = "\n".join(f"{p.name} {file_digest(p)}" for p in files)
+    return _digest(listing.encode())
+
+
+def proxy_model_revision(proxy: Any) -> str | None:
+    """The revision of the model ``proxy`` serves: its engine's model directory's digest when this
+    process loaded it, else ``served:<name>`` (an external proxy or engine); None without a proxy."""
+    if proxy is None:
+        return None
+    engine = getattr(proxy, "engine", None)
+    inner = getattr(engine, "inner", engine)  # a WatchedEngine wraps the engine
+    for attr in ("model_dir", "model"):
+        value = getattr(inner, attr, None)
+        if isinstance(value, str | os.PathLike) and Path(value).is_dir():
+            return model_revision(Path(value))
+    return f"served:{proxy.model}"
+
+
+def trial_fingerprint(harness: str, cfg: Any = None, proxy: Any = None) -> TrialFingerprint:
+    """A trial's fingerprint: run with ``cfg`` (:class:`~legorl.trials.TrialOptions`; None: unknown,
+    as for sessions an external harness opened) against ``proxy`` (None: unknown)."""
+    return TrialFingerprint(
+        harness=harness, harness_version=harness_version(harness),
+        harness_config=None if cfg is None else harness_config(cfg, getattr(proxy, "context_tokens", None)),
+        legorl_version=LEGORL_VERSION, model_revision=proxy_model_revision(proxy),
+    )
+
+
+# --------------------------------------------------------------------------- grades
+
+
+@functools.cache
+def image_digest(image: str) -> str | None:
+    """Podman's id of ``image`` (``sha256:...``, the digest of its config); None when podman does not
+    have it. Inspected once per name and process."""
+    from legorl.sandbox.host import run_podman
+
+    try:
+        proc = run_podman(["image", "inspect", "--format", "{{.Id}}", image], timeout=60, check=False)
+    except (LegorlError, OSError):
+        return None
+    found = proc.stdout.decode(errors="replace").strip()
+    if proc.returncode != 0 or not found:
+        return None
+    return found if found.startswith("sha256:") else f"sha256:{found}"
+
+
+@functools.cache
+def grader_version() -> str:
+    """``<legorl version>+g<GRADER_VERSION>.<digest>``: the digest covers every file of
+    :mod:`legorl.grading` (the host's judgement, the script and the sandboxed judge and runner)."""
+    from legorl.grading import grader
+
+    root = Path(grader.__file__).parent
+    files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+    listing = "\n".join(f"{p.relative_to(root)} {file_digest(p)}" for p in files)
+    return f"{LEGORL_VERSION}+g{grader.GRADER_VERSION}.{_digest(listing.encode()).removeprefix('sha256:')[:12]}"
+
+
+def grade_fingerprint(task: TaskRow, containers: Any = None) -> GradeFingerprint:
+    """A grade's fingerprint; ``containers`` (:class:`~legorl.grading.container.GradingContainers`)
+    knows the image and command a grade really used, else the task's own are recorded."""
+    image, command = task.image, task.test_command
+    if containers is not None:
+        image = containers.image_for(task)
+        # a grade that failed on the command says so; a fingerprint never costs a grade its row
+        with contextlib.suppress(Exception):
+            command = containers.command_for(task)
+    return GradeFingerprint(image=image, image_digest=image_digest(image) if image else None,
+                            test_command=command, grader_version=grader_version())
+
+
+# --------------------------------------------------------------------------- a run's rows
+
+
+def _distinct(rows: Iterable[Mapping[str, Any]], group: str, field: str) -> dict[Any, list[str]]:
+    """Per value of ``group``, the distinct known values of the fingerprint's ``field``."""
+    seen: dict[Any, set[str]] = defaultdict(set)
+    for row in rows:
+        fp = row.get("fingerprint")
+        value = fp.get(field) if isinstance(fp, Mapping) else None
+        if value is not None:
+            seen[row.get(group)].add(str(value))
+    return {g: sorted(v) for g, v in sorted(seen.items(), key=lambda kv: str(kv[0])) if len(v) > 1}
+
+
+def _short(values: list[str]) -> str:
+    shown = [v if len(v) <= 24 else v[:23] + "…" for v in values[:3]]
+    return ", ".join(shown) + (f" +{len(values) - 3}" if len(values) > 3 else "")
+
+
+# (what the rows are grouped by, its label, the fingerprint field, what a mix of it means)
+TRIAL_CHECKS: tuple[tuple[str, str, str, str], ...] = (
+    ("harness", "harness", "harness_version", "harness versions"),
+    ("harness", "harness", "harness_config", "harness configs"),
+    ("step", "step", "model_revision", "model revisions"),
+    ("step", "step", "legorl_version", "legorl versions"),
+)
+GRADE_CHECKS: tuple[tuple[str, str, str, str], ...] = (
+    ("task_id", "task", "image_digest", "images"),
+    ("task_id", "task", "grader_version", "grader versions"),
+    ("task_id", "task", "test_command", "test commands"),
+)
+
+
+def mixes(trials: Iterable[Mapping[str, Any]] = (), grades: Iterable[Mapping[str, Any]] = ()) -> list[str]:
+    """One line per place the rows' fingerprints disagree (rows as dicts; unknown values are skipped),
+    e.g. ``harness mini-swe-agent: 2 harness configs (sha256:…, sha256:…)``."""
+    out: list[str] = []
+    for rows, checks in ((list(trials), TRIAL_CHECKS), (list(grades), GRADE_CHECKS)):
+        for group, label, field, what in checks:
+            for key, values in _distinct(rows, group, field).items():
+                out.append(f"{label} {key}: {len(values)} {what} ({_short(values)})")
+    return out
+
+
+def run_mixes(root: Path) -> list[str]:
+    """:func:`mixes` of a run directory's trials and grades (``rollouts/``, ``grades/``), and of its
+    eval's, prefixed by the dataset's name; reads only the columns it needs."""
+    from legorl import shards
+    from legorl.schemas import Kind
+
+    out: list[str] = []
+    for prefix in ("", "eval/"):
+        trials = shards.read(root / f"{prefix}rollouts", Kind.ROLLOUTS, columns=["harness", "step", "fingerprint"])
+        grades = shards.read(root / f"{prefix}grades", Kind.GRADES, columns=["task_id", "fingerprint"])
+        out += [f"{prefix}{line}" for line in mixes(trials.table.to_pylist(), grades.table.to_pylist())]
+    return out
