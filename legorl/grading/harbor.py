@@ -9,8 +9,9 @@ One fresh container from the task's image (network off) runs :func:`harbor_scrip
 2. ``/tests`` and ``/logs`` are made afresh by root — whatever the image or the patch put there is
    gone — ``/tests`` from the task row only now, root's and read-only, ``/logs`` root's with only
    ``/logs/verifier`` the test user's;
-3. ``test.sh`` runs as the test user under the verifier timeout; then every process of that user
-   is killed, and only then root reads ``/logs/verifier/reward.txt`` (a float, Harbor's precedence)
+3. ``test.sh`` runs as the test user under the verifier timeout; a process of that user still
+   running once it exited makes the run a failure (a daemon left behind could rewrite the reward);
+   every process of that user is killed, and only then root reads ``/logs/verifier/reward.txt`` (a float, Harbor's precedence)
    or ``reward.json`` (``{"reward": x}`` or one number) — a link, a hard link or a special file is refused.
 
 What the host learns comes from event lines carrying a nonce the test user cannot read (as in
@@ -85,7 +86,9 @@ W={WORK}
 U={TEST_UID}
 ev() {{ printf '\\n@@legorl %s %s\\n' "$N" "$*"; }}
 as_user() {{ setpriv --reuid=$U --regid=$U --clear-groups "$@"; }}
-user_alive() {{ for p in /proc/[0-9]*; do [ "$(stat -c %u "$p" 2>/dev/null)" = "$U" ] && return 0; done; return 1; }}
+user_alive() {{ for p in /proc/[0-9]*; do [ "$(stat -c %u "$p" 2>/dev/null)" = "$U" ] || continue
+  grep -qs '^State:[[:space:]]*Z' "$p/status" || return 0; done; return 1; }}
+survivors() {{ for _ in 1 2 3; do user_alive || return 1; sleep 0.1; done; return 0; }}
 kill_user() {{ for _ in 1 2 3 4 5 6 7 8 9 10; do as_user bash -c 'kill -9 -1' >/dev/null 2>&1; user_alive || return 0; \\
   sleep 0.2; done; ev infra "processes of the test user survive kill -9"; exit 0; }}
 reset_tree() {{ find "$D" -mindepth 1 -maxdepth 1 -exec rm -rf {{}} + && cp -a $W/pristine/. "$D"/ && chown -R $U:$U "$D"; }}
@@ -114,6 +117,7 @@ t0=$SECONDS
   bash -c {q(command)}) >$W/test.out 2>&1 </dev/null
 code=$?
 elapsed=$((SECONDS - t0))
+if survivors; then ev survivors; fi
 kill_user
 head -c {MAX_TEST_OUTPUT} $W/test.out
 ev tests_end "$code $elapsed"
@@ -205,6 +209,8 @@ class HarborRun:
             return "test.sh's exit status could not be read"
         if code > 128 and not self.timed_out():
             return f"test.sh was killed by signal {code - 128}"
+        if "survivors" in ev:
+            return "processes test.sh started were still running after it exited (one could rewrite the reward)"
         _reward, problem = parse_reward(ev)
         return problem
 
