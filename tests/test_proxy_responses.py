@@ -19,7 +19,7 @@ import openai
 import proxy_support
 import pytest
 import torch
-from proxy_support import TOOLS, call_bash, oa, say, scripted_engine
+from proxy_support import TOOLS, call_bash, oa, say, scripted_engine, tool_call_text
 from test_proxy_fidelity import _check, _recompute
 from transformers import AutoModelForCausalLM
 
@@ -107,6 +107,52 @@ def test_function_call_round_trip_extends_the_segment_without_a_fork(proxy: Prox
     seg = cap.segments[0]
     rendered = proxy.renderer.render(held, proxy.core.sessions[sid].segments[0].tools, add_generation_prompt=False)
     assert proxy.renderer.decode(seg.token_ids) + "\n" == rendered
+
+
+def _codex_body(items: list[Any]) -> dict[str, Any]:
+    """A request shaped as Codex CLI (0.17x) sends it: developer messages, ids on items,
+    ``client_metadata``, an empty ``reasoning``, encrypted reasoning asked for, streamed, not stored."""
+    exec_command = {"type": "function", "name": "exec_command", "description": "Runs a command in a PTY.",
+                    "strict": False, "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                                    "required": ["cmd"], "additionalProperties": False}}
+    return {"model": "tiny", "stream": True, "store": False, "tool_choice": "auto", "parallel_tool_calls": True,
+            "reasoning": {}, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "thread-1",
+            "client_metadata": {"session_id": "thread-1", "turn_id": "turn-1"},
+            "tools": [exec_command, {"type": "web_search"}],
+            "input": [{"type": "message", "id": "msg_a", "role": "developer",
+                       "content": [{"type": "input_text", "text": "<permissions instructions>"}]},
+                      {"type": "message", "id": "msg_b", "role": "user",
+                       "content": [{"type": "input_text", "text": "<environment_context/>"}]},
+                      *items]}
+
+
+def _sse_items(response: httpx.Response) -> list[dict[str, Any]]:
+    """The ``response.output_item.done`` items of a raw SSE stream (what Codex keeps of a reply)."""
+    import json
+
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    return [e["item"] for e in events if e["type"] == "response.output_item.done"]
+
+
+def test_a_codex_shaped_turn_pair_extends_one_segment(proxy: ProxyServer) -> None:
+    sid = proxy.new_session()
+    url = proxy.openai_base_url(sid) + "/responses"
+    ask = {"type": "message", "id": "msg_c", "role": "user",
+           "content": [{"type": "input_text", "text": "Fix a.py " + say(tool_call_text("exec_command", {"cmd": "ls"}))}]}
+    r = httpx.post(url, json=_codex_body([ask]), timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    [call] = _sse_items(r)
+    assert call["type"] == "function_call" and call["name"] == "exec_command" and call["arguments"] == '{"cmd": "ls"}'
+    output = {"type": "function_call_output", "id": "fco_1", "call_id": call["call_id"],
+              "output": "Process exited with code 0\nOutput:\na.py\n" + say("Fixed.")}
+    r2 = httpx.post(url, json=_codex_body([ask, call, output]), timeout=60)
+    [reply] = _sse_items(r2)
+    assert r2.status_code == 200 and reply["type"] == "message" and reply["content"][0]["text"] == "Fixed."
+    cap = proxy.capture(sid)
+    assert [s.reason for s in cap.segments] == [SegmentReason.MAIN] and [c.segment for c in cap.calls] == [0, 0]
+    assert "web_search" not in _prompt_text(proxy)
 
 
 def test_tool_call_only_reply_then_parallel_calls_as_items(proxy: ProxyServer) -> None:
