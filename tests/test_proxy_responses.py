@@ -426,6 +426,23 @@ def test_special_token_strings_in_items_tokenize_as_text(proxy: ProxyServer, tok
     assert counts["hostile"] == counts["plain"]
 
 
+def test_lone_surrogates_in_items_never_lose_a_session(proxy: ProxyServer) -> None:
+    sid = proxy.new_session()
+    body = (b'{"model": "m\\ud800", "instructions": "s\\udfff", "input": ['
+            b'{"role": "user", "content": [{"type": "input_text", "text": "fix \\udfff it"}]},'
+            b'{"type": "function_call", "call_id": "call_\\ud800", "name": "bash\\udbff",'
+            b' "arguments": "{\\"command\\": \\"ls \\\\ud800\\"}"},'
+            b'{"type": "function_call_output", "call_id": "call_\\ud800", "output": "out \\udc00"}],'
+            b' "tools": [{"type": "function", "name": "bash", "description": "d\\ud800",'
+            b' "parameters": {"type": "object", "properties": {"k\\ud800": {"type": "string"}}}}], "stream": true}')
+    r = httpx.post(proxy.openai_base_url(sid) + "/responses", content=body, timeout=60)
+    assert r.status_code == 200 and '"model":"m\ufffd"' in r.text and "response.completed" in r.text, r.text
+    fin = httpx.post(proxy.session_url(sid) + "/finish")
+    assert fin.status_code == 200, fin.text
+    messages = fin.json()["messages"]
+    assert messages[2]["tool_calls"][0]["id"] == "call_\ufffd" and messages[3]["content"] == "out \ufffd"
+
+
 def openai_dumps(value: Any) -> str:
     from legorl.proxy.openai_api import dumps
 
