@@ -33,7 +33,6 @@ setup: venv host
 # What the test suite needs beyond `setup`: the five harnesses (cached) and a browser for the dashboard test.
 test-deps: setup
 	$(VENV)/bin/legorl harness install all
-	$(VENV)/bin/legorl harness install codex
 	$(VENV)/bin/legorl vllm install
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }
 

@@ -24,10 +24,9 @@ from legorl.harnesses.simple import SimpleHarness
 from legorl.plugins import is_dotted_path, load_object, missing_members
 from legorl.sandbox.base import Sandbox
 
-# The four real harnesses (``all``); Codex (out of ``all`` until the proxy serves the Responses API);
-# then legorl's own minimal driver for tiny demo models.
-REAL: tuple[type[BaseHarness], ...] = (MiniSweAgent, OpenHands, OpenCode, ClaudeCode)
-_ALL: list[type[BaseHarness]] = [*REAL, Codex, SimpleHarness]
+# The five real harnesses (``all``), then legorl's own minimal driver for tiny demo models.
+REAL: tuple[type[BaseHarness], ...] = (MiniSweAgent, OpenHands, OpenCode, ClaudeCode, Codex)
+_ALL: list[type[BaseHarness]] = [*REAL, SimpleHarness]
 #: Adapters by name; a plug-in joins under its dotted path the first time it is resolved.
 HARNESSES: dict[str, type[BaseHarness]] = {cls.name: cls for cls in _ALL}
 
@@ -49,7 +48,7 @@ def get(name: str) -> BaseHarness:
 
 
 def parse_names(spec: str) -> list[str]:
-    """``"a,b"`` or ``"all"`` (the four real harnesses) → harness names, each checked."""
+    """``"a,b"`` or ``"all"`` (the five real harnesses) → harness names, each checked."""
     names = [cls.name for cls in REAL] if spec.strip() == "all" else [n.strip() for n in spec.split(",") if n.strip()]
     if not names:
         raise LegorlError("--harness: give at least one harness name")

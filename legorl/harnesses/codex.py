@@ -11,7 +11,9 @@ agent's. Its own sandbox and approvals are off: the podman container is the sand
 
 Codex has no turn limit of its own: the proxy's turn budget ends the episode with a normal reply.
 Its JSONL events say how the turn ended (``turn.completed`` / ``turn.failed``); what it claims
-about its work is never read, the patch is the sandbox's diff.
+about its work is never read, the patch is the sandbox's diff. Unlike the chat harnesses, which
+carry on after a reply cut at the per-call token cap, Codex fails its turn on that ``incomplete``
+response: the policy's outcome (no submission), not a crash.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ _FEATURES_OFF = (
 )
 
 _CONTEXT_MARKERS = ("context window", "context_length_exceeded", "maximum context length")
+# Codex fails the turn on a response whose status is ``incomplete`` (a reply cut at max tokens).
+_CUT_REPLY = "reason: max_output_tokens"
 
 TomlValue = str | int | bool | float
 
@@ -106,6 +110,8 @@ def end_of(events: list[dict[str, object]], proc: ProcResult) -> tuple[End, str 
         detail = str(error.get("message", error) if isinstance(error, dict) else error)[:1000]
         if any(m in detail.lower() for m in _CONTEXT_MARKERS):
             return End.CONTEXT_OVERFLOW, detail
+        if _CUT_REPLY in detail:  # the policy's reply hit the per-call token cap: Codex gives up on it
+            return End.GAVE_UP, detail
         return End.API_ERROR, detail
     if proc.exit_code not in (0, None):
         return End.CRASHED, proc.log_tail.strip()[-500:] or f"exit code {proc.exit_code}"
