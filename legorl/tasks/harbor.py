@@ -24,6 +24,7 @@ is always off (``allow_internet`` is ignored).
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import io
 import math
@@ -194,7 +195,9 @@ def read_task(path: Path) -> HarborTask:
 def pack_dir(root: Path, what: str) -> str:
     """``root`` as base64 of a tar.gz (regular files and folders only, owner and times dropped)."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+    # mtime=0 in the gzip header too: the same tests/ packs to the same bytes (a re-import finds the row unchanged)
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames.sort()
             for entry in sorted(dirnames) + sorted(filenames):
@@ -316,7 +319,7 @@ def to_row(task: HarborTask, log: Callable[[str], None] = lambda _s: None) -> Ta
     image, workdir = build_image(task, log)
     metadata = _table(task.config, "metadata")
     return TaskRow(
-        instance_id=task.name, repo=f"harbor/{task.path.resolve().parent.name}", problem_statement=task.instruction,
+        instance_id=task.name, repo=f"harbor/{task.name}", problem_statement=task.instruction,
         patch=gold_patch(task, image, workdir), FAIL_TO_PASS=[TEST_SCRIPT], image=image,
         test_command=task.test_command, grader=HARBOR, hidden_tests=hidden, workdir=workdir,
         test_timeout=task.verifier_timeout, version=str(metadata["version"]) if "version" in metadata else None)
