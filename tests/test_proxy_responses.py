@@ -28,6 +28,7 @@ from legorl.engines.embedded import EmbeddedEngine
 from legorl.engines.scripted import ScriptedEngine
 from legorl.proxy.app import session_route
 from legorl.proxy.budgets import Budgets
+from legorl.proxy.clients import RemoteProxy
 from legorl.proxy.server import ProxyServer
 from legorl.schemas import SegmentReason
 
@@ -334,16 +335,21 @@ def test_routes_the_session_socket_and_the_unprefixed_404(proxy: ProxyServer, to
     with pytest.raises(openai.NotFoundError, match=r"/sess/<id>/v1"):
         openai.OpenAI(base_url=proxy.base_url + "/v1", api_key="x", max_retries=0).responses.create(
             model="m", input="x")
-    path = Path(f"/tmp/legorl-test-{os.getpid()}-responses.sock")
-    sock = proxy.serve_session(sid, path)
-    try:
-        client = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://x", timeout=60)
-        r = client.post(f"/sess/{sid}/v1/responses", json={"model": "m", "input": say("socket")})
-        assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == "socket"
-        other = proxy.new_session()
-        assert client.post(f"/sess/{other}/v1/responses", json={"model": "m", "input": "x"}).status_code == 404
-    finally:
-        sock.close()
+    # a trial's session-bound socket, served here and by an external proxy's forwarder
+    with RemoteProxy(proxy.base_url) as remote:
+        for label, handle in (("in-process", proxy), ("external", remote)):
+            path = Path(f"/tmp/legorl-test-{os.getpid()}-responses-{label}.sock")
+            sock = handle.serve_session(sid, path)
+            try:
+                client = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://x", timeout=60)
+                r = client.post(f"/sess/{sid}/v1/responses", json={"model": "m", "input": say("socket")})
+                assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == "socket"
+                r = client.post(f"/sess/{sid}/v1/responses", json={"model": "m", "input": say("sse"), "stream": True})
+                assert r.status_code == 200 and r.text.rstrip().endswith("}") and "response.completed" in r.text
+                other = proxy.new_session()
+                assert client.post(f"/sess/{other}/v1/responses", json={"model": "m", "input": "x"}).status_code == 404
+            finally:
+                sock.close()
     with ProxyServer(scripted_engine(tokenizer), tokenizer, single_session=True, auto_create=False) as server:
         openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0).responses.create(
             model="m", input="x")
