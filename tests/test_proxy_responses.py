@@ -297,6 +297,10 @@ def test_stream_helper_and_a_text_only_reply(proxy: ProxyServer) -> None:
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                           "response.completed"]
     assert final.output_text == "All good here." and final.status == "completed"
+    with oa(proxy, sid).responses.stream(model="m", input=call_bash("ls", "Listing."), tools=[BASH]) as stream:  # type: ignore[list-item]
+        args = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+        final = stream.get_final_response()
+    assert args == '{"command": "ls"}' and [o.type for o in final.output] == ["message", "function_call"]
 
 
 def test_async_client_stream_and_not(proxy: ProxyServer) -> None:

@@ -13,8 +13,8 @@ Routes (``<id>`` is a session id; ``?beta=true`` and other query strings are ign
 - ``GET /sess/<id>/trajectory`` — the captured segments, calls and conversation as JSON
 - ``POST /sess/<id>/finish`` (or ``DELETE /sess/<id>``) — end the session: its capture is returned,
   written as a shard when the proxy has a run directory, and dropped from memory
-- ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/messages`` (no session in the URL) — a 404 saying to
-  use ``/sess/<id>``, unless the app serves a single session (``single_session=True``,
+- ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/messages`` (no session in the
+  URL) — a 404 saying to use ``/sess/<id>``, unless the app serves a single session (``single_session=True``,
   ``serve-proxy --single-session``): then they are the ``default`` session. Otherwise every client
   given a bare base URL would share (and read, and extend) one capture.
 
@@ -61,7 +61,8 @@ _OPENAI_ROUTES = ("/v1/chat/completions", "/chat/completions")
 _ANTHROPIC_ROUTES = ("/v1/messages", "/messages")
 _RESPONSES_ROUTES = ("/v1/responses", "/responses")
 _COUNT_ROUTES = ("/v1/messages/count_tokens", "/messages/count_tokens")
-_MODEL_ROUTES = frozenset({*_OPENAI_ROUTES, *_RESPONSES_ROUTES, *_ANTHROPIC_ROUTES, *_COUNT_ROUTES, "/v1/models", "/models"})
+_MODEL_ROUTES = frozenset({*_OPENAI_ROUTES, *_RESPONSES_ROUTES, *_ANTHROPIC_ROUTES, *_COUNT_ROUTES,
+                           "/v1/models", "/models"})
 
 
 def session_route(path: str, session_id: str) -> str | None:
