@@ -78,7 +78,7 @@ def test_the_check_leaves_the_flaky_test_out_and_keeps_the_stable_ones(task: Tas
     assert list(recorded) == [FLAKY]
     assert all(len(statuses) == 6 for statuses in recorded[FLAKY].values())
     assert any(len(set(statuses)) > 1 for statuses in recorded[FLAKY].values())
-    print(f"check, 6 runs of each patch + 2 fresh grades: {took:.1f} s")
+    print(f"check, 6 runs of each patch + 1 fresh gold grade: {took:.1f} s")
 
     # legorl inspect names it in the tasks breakdown, and --json carries it
     out = subprocess.run([LEGORL, "inspect", str(run_dir), "--json"], capture_output=True, text=True, timeout=300)

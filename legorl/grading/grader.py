@@ -151,7 +151,7 @@ class Grader:
             out.confirmed = True
             return
         failing = [t.name for t in rerun.tests if not t.passed]
-        self._zero(out, out.status, f"the pass did not reproduce: a fresh rerun of the same patch scored "
+        self._zero(out, GradeStatus(out.status), f"the pass did not reproduce: a fresh rerun of the same patch scored "
                    f"{rerun.reward} ({rerun.status}{'; failing: ' + ', '.join(failing[:5]) if failing else ''})", task)
         out.tests, out.confirmed = rerun.tests, False
         out.log = (out.log or "") + "\n>>>>> legorl: the confirming rerun\n" + (rerun.log or "")
