@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import difflib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -150,6 +151,10 @@ ATTACKS = {
 }
 
 
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name)
+
+
 @pytest.fixture(scope="module")
 def harbor_run(base_image: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run whose tasks/ holds the shipped Harbor tasks, imported through the CLI next to bad ones."""
@@ -199,7 +204,7 @@ def test_gold_one_empty_zero_attacks_zero_through_legorl_grade(harbor_run: Path,
         dict.fromkeys(SHIPPED, (1.0, "graded"))
 
     lines = [{"instance_id": iid, "model_patch": "", "model_name_or_path": "empty"} for iid in SHIPPED]
-    lines += [{"instance_id": "fix-fizzbuzz", "model_patch": patch, "model_name_or_path": name.replace(" ", "-")}
+    lines += [{"instance_id": "fix-fizzbuzz", "model_patch": patch, "model_name_or_path": _slug(name)}
               for name, patch in ATTACKS.items()]
     lines += [{"instance_id": "word-frequencies", "model_patch": tasks["word-frequencies"].patch,
                "model_name_or_path": "gold-copy"}]
@@ -213,12 +218,11 @@ def test_gold_one_empty_zero_attacks_zero_through_legorl_grade(harbor_run: Path,
     assert rows["gold-copy:word-frequencies"].reward == 1.0
     for iid in SHIPPED:
         assert rows[f"empty:{iid}"].reward == 0.0 and not rows[f"empty:{iid}"].infra_failure
-    verdicts = {name: (rows[f"{name.replace(' ', '-')}:fix-fizzbuzz"].reward,
-                       rows[f"{name.replace(' ', '-')}:fix-fizzbuzz"].status,
-                       rows[f"{name.replace(' ', '-')}:fix-fizzbuzz"].error) for name in ATTACKS}
+    attacked = {name: rows[f"{_slug(name)}:fix-fizzbuzz"] for name in ATTACKS}
+    verdicts = {name: (row.reward, row.status, row.error) for name, row in attacked.items()}
     print("\n" + "\n".join(f"{k}: {v}" for k, v in verdicts.items()))
     assert all(reward == 0.0 for reward, _status, _error in verdicts.values()), verdicts
-    assert not any(rows[f"{n.replace(' ', '-')}:fix-fizzbuzz"].infra_failure for n in ATTACKS)
+    assert not any(row.infra_failure for row in attacked.values())
     assert verdicts["kill test.sh"][1:] == ("tests_errored", "test.sh was killed by signal 9")
     assert verdicts["reward link"][1] == "tests_errored" and "symbolic link" in (verdicts["reward link"][2] or "")
     assert verdicts["reward folder + json"][1] == "tests_errored" and "not a regular file" in (
