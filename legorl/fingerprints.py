@@ -44,16 +44,22 @@ def _get(obj: Any, name: str) -> Any:
 # --------------------------------------------------------------------------- trials
 
 
-@functools.cache
 def harness_version(name: str) -> str | None:
-    """The installed version of harness ``name``: its install's (legorl's installs are pinned), a
-    plug-in's distribution's, legorl's for its built-in ones; None for a name legorl cannot resolve."""
-    from legorl.harnesses import harness_class
+    """The installed version of harness ``name``: its install's (legorl's installs are pinned; None
+    until it is installed), a plug-in's distribution's, legorl's for its built-in ones; None for a
+    name legorl cannot resolve."""
     from legorl.harnesses.install import RECIPES, installed
 
-    if name in RECIPES:
+    if name in RECIPES:  # a small marker file, read each time: an install can complete mid-run
         found = installed(name)
         return found.version if found is not None else None
+    return _package_version(name)
+
+
+@functools.cache
+def _package_version(name: str) -> str | None:
+    from legorl.harnesses import harness_class
+
     try:
         cls = harness_class(name)
     except LegorlError:

@@ -216,3 +216,13 @@ def test_the_dashboard_page_has_the_cost_panel() -> None:
     assert "renderCost" in (static / "app.js").read_text()
     if shutil.which("node"):  # the script at least parses
         subprocess.run(["node", "--check", str(static / "app.js")], check=True, timeout=60)
+
+
+def test_harness_versions_come_from_what_is_installed() -> None:
+    from legorl.harnesses.install import installed
+
+    mini = installed("mini-swe-agent")
+    assert fingerprints.harness_version("mini-swe-agent") == (mini.version if mini else None)
+    assert fingerprints.harness_version("simple") == legorl.__version__  # legorl's own harness
+    assert fingerprints.harness_version("external") is None  # a session an outside harness opened
+    assert fingerprints.trial_fingerprint("external").harness_config is None
