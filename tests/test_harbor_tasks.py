@@ -230,3 +230,29 @@ def test_gold_one_empty_zero_attacks_zero_through_legorl_grade(harbor_run: Path,
     assert verdicts["late daemon"][1] == "tests_errored" and "still running" in (verdicts["late daemon"][2] or "")
     assert verdicts["rewrite test.sh"][1] == "graded"
     assert verdicts["planted /logs and /tests"][1] == "patch_apply_failed"
+
+
+@pytest.mark.podman
+def test_a_trial_patch_from_testbed_grades(harbor_run: Path) -> None:
+    """What a rollout does on a Harbor image — prepare /testbed, the agent edits it there, take the
+    patch — gives a patch the grader scores 1: /testbed is the task's WORKDIR."""
+    from legorl.grading.grader import GradeOptions, Grader
+    from legorl.sandbox.base import SandboxSpec
+    from legorl.sandbox.podman import PodmanBackend
+    from legorl.trials import TrialRunner
+
+    task = next(t for t in shards.read_rows(harbor_run / "tasks", Kind.TASKS) if t.instance_id == "fix-fizzbuzz")
+
+    box = PodmanBackend(api="cli").create(SandboxSpec(image=task.image or "", labels={"role": "test"}))
+    try:
+        TrialRunner.prepare(box, task)
+        fixed = BUGGY.replace('    if n % 3 == 0:\n', '    if n % 15 == 0:\n        return "FizzBuzz"\n    if n % 3 == 0:\n', 1)
+        box.put_file("/testbed/fizzbuzz.py", fixed.encode())
+        seen = box.exec("ls /tests /logs /solution 2>&1 | grep -c 'No such'; pwd -P").output.split()
+        assert seen == ["3", "/app"]  # no hidden tests, logs or solution in the trial; /testbed is the WORKDIR
+        patch = box.patch()
+    finally:
+        box.remove()
+    assert patch.startswith("diff --git a/fizzbuzz.py b/fizzbuzz.py")
+    row = Grader(GradeOptions()).grade(task, patch)
+    assert (row.reward, row.status) == (1.0, "graded"), row.error
