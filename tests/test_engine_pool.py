@@ -193,6 +193,33 @@ def test_calls_outside_a_session_go_to_the_least_busy_engine(tiny_model: Path) -
         asyncio.run(pool.close())
 
 
+def test_an_engine_taken_out_moves_only_its_own_sessions(tiny_model: Path) -> None:
+    engines = [EmbeddedEngine(tiny_model, name="tiny", max_batch=2) for _ in range(3)]
+    pool = EnginePool(engines, labels=["a", "b", "c"])
+    prompt = AutoTokenizer.from_pretrained(tiny_model)("x = 1")["input_ids"]
+    sids = [f"s{i}" for i in range(24)] + ["\udcff-a lone surrogate", "x" * 5000]  # ids come from URLs
+
+    def call(sid: str) -> None:
+        async def one() -> None:
+            current_session.set(sid)
+            await pool.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        asyncio.run(one())
+
+    try:
+        home = {sid: _served_by(pool, lambda sid=sid: call(sid))[0] for sid in sids}
+        assert set(home.values()) == {"a", "b", "c"}, home
+        asyncio.run(engines[2].close())
+        on_c = [sid for sid in sids if home[sid] == "c"]
+        with pytest.raises(LegorlError, match="engine is closed"):
+            call(on_c[0])
+        moved = {sid: _served_by(pool, lambda sid=sid: call(sid))[0] for sid in sids}
+        assert all(moved[sid] == home[sid] for sid in sids if home[sid] != "c")  # the others stay put
+        assert {moved[sid] for sid in on_c} <= {"a", "b"}
+        assert [s["live"] for s in pool.status()] == [True, True, False]
+    finally:
+        asyncio.run(pool.close())
+
+
 def test_upstream_lists_and_pool_errors(tiny_model: Path) -> None:
     assert split_upstreams("http://a:1") == ["http://a:1"]
     assert split_upstreams("http://a:1, http://b:2") == ["http://a:1", "http://b:2"]

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 5.0
 PROBE_TIMEOUT_S = 3.0
+_PLACED_MAX = 65536  # sessions whose engine the status counts (the most recent: ids come from the URL)
 
 
 class NoLiveEngine(LegorlError):
@@ -62,7 +64,8 @@ def split_upstreams(value: str) -> list[str]:
 
 
 def _weight(session: str, label: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{session}\0{label}".encode(), digest_size=8).digest(), "big")
+    key = f"{session}\0{label}".encode("utf-8", "surrogatepass")  # a session id is whatever the URL held
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
 
 
 @dataclass(eq=False)
@@ -99,7 +102,7 @@ class EnginePool:
         self.probe_interval = probe_interval
         self.probe_timeout = probe_timeout
         self.members = [_Member(e, label) for e, label in zip(engines, labels, strict=True)]
-        self._placed: dict[str, _Member] = {}  # session -> the engine its last call went to
+        self._placed: OrderedDict[str, _Member] = OrderedDict()  # session -> the engine of its last call
         self._checkpoint: str | None = None  # the last weights loaded: what an engine coming back loads
         self._mu = threading.Lock()
         self._stop = threading.Event()
@@ -120,6 +123,9 @@ class EnginePool:
             else:
                 member = max(live, key=lambda m: _weight(session, m.label))
                 self._placed[session] = member
+                self._placed.move_to_end(session)
+                if len(self._placed) > _PLACED_MAX:
+                    self._placed.popitem(last=False)
             member.in_flight += 1
             member.calls += 1
             return member
