@@ -36,6 +36,7 @@ def _render(summary: dict[str, Any]) -> None:
     """A narrow table (one row per dataset), then each dataset's breakdown as wrapped lines: it reads
     the same in an 80-column terminal, a pipe and a CI log."""
     from rich import box
+    from rich.markup import escape
     from rich.padding import Padding
     from rich.table import Table
 
@@ -54,7 +55,8 @@ def _render(summary: dict[str, Any]) -> None:
         for d in summary["datasets"]:
             if d["breakdown"]:
                 console.print(f"[bold]{d['name']}[/]", highlight=False)
-                console.print(Padding(_breakdown(d), (0, 0, 0, 2)), highlight=False)
+                # escaped: a parametrized test id (test_x[a]) in a breakdown is text, not rich markup
+                console.print(Padding(escape(_breakdown(d)), (0, 0, 0, 2)), highlight=False)
     for error in summary["errors"]:
         console.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
 

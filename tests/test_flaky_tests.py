@@ -153,3 +153,24 @@ def test_an_infra_failure_in_the_confirming_rerun_is_infra_not_0(task: TaskRow) 
     row = ImageGoneOnRerun(GradeOptions(test_timeout=120, confirm=True)).grade(task, task.patch)
     assert (row.status, row.infra_failure, row.reward, row.confirmed) == ("infra_error", True, None, None), row.error
     assert (row.error or "").startswith("the confirming rerun failed as infrastructure")
+
+
+def test_inspect_shows_flaky_test_ids_as_text_at_80_columns(tmp_path: Path) -> None:
+    """Parametrized ids hold brackets: the breakdown prints them as they are (not as rich markup)."""
+    import os
+
+    names = ["tests/t.py::test_x[a]", "tests/t.py::test_y[/x]", "tests/t.py::test_" + "long" * 20]
+    record = {n: {"gold": ["PASSED", "FAILED"], "empty": ["FAILED", "FAILED"]} for n in names}
+    with shards.ShardWriter(tmp_path / "tasks", Kind.TASKS) as writer:
+        writer.add(TaskRow(instance_id="t-1", repo="r", FAIL_TO_PASS=["tests/t.py::test_z"],
+                           flaky_tests=json.dumps(record)))
+        writer.add(TaskRow(instance_id="t-2", repo="r", FAIL_TO_PASS=["tests/t.py::test_z"]))
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    out = subprocess.run([LEGORL, "inspect", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = (out.stdout + out.stderr).splitlines()
+    assert all(len(line.rstrip()) <= 80 for line in lines), max(lines, key=len)
+    text = "".join(line.strip() for line in lines)  # a long id folds across lines
+    assert "flaky tests: t-1 count 3, names" in " ".join(line.strip() for line in lines)
+    assert all(name in text for name in names), lines
+    assert "t-2" not in text
