@@ -29,7 +29,7 @@ from legorl.monitor.dashboard.server import create_app
 from legorl.monitor.health import health_summary
 from legorl.monitor.inspect import inspect_path
 from legorl.proxy.clients import InProcessProxy
-from legorl.schemas import Kind, TrialRow
+from legorl.schemas import Kind, TaskRow, TrialRow
 from legorl.stages.grade import grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
@@ -226,3 +226,23 @@ def test_harness_versions_come_from_what_is_installed() -> None:
     assert fingerprints.harness_version("simple") == legorl.__version__  # legorl's own harness
     assert fingerprints.harness_version("external") is None  # a session an outside harness opened
     assert fingerprints.trial_fingerprint("external").harness_config is None
+
+
+def test_rows_of_lost_trials_and_grades_say_what_would_have_made_them(tmp_path: Path) -> None:
+    from legorl.stages.grade import Grading, Job
+    from legorl.stages.rollout import RemoteTrials
+    from legorl.trials import TrialJob
+
+    cfg = RolloutConfig(run=tmp_path / "run", harnesses=["simple"], retries=1, executor="ray")
+    task = TaskRow(instance_id="t-1", test_command="pytest -x", image="localhost/none-such:1")
+    row = RemoteTrials(cfg, "policy", "http://127.0.0.1:9", None).lost(TrialJob(task, "simple", 0), "lost", 2)
+    assert row is not None and row.fingerprint is not None and row.cost is not None
+    assert row.fingerprint.harness_config == fingerprints.harness_config(cfg)
+    assert row.fingerprint.model_revision is None  # the driver does not know what the worker's proxy served
+    assert (row.cost.retries, row.cost.prompt_tokens, row.cost.sandbox_s) == (1, 0, None)
+    item = (task, Job("t-1/simple/step0/sample0", "t-1", "diff", "simple", 0))
+    grade = Grading(GradeOptions()).lost(item, "lost", 3)
+    assert grade is not None and grade.fingerprint is not None
+    assert (grade.fingerprint.image, grade.fingerprint.test_command) == ("localhost/none-such:1", "pytest -x")
+    assert grade.fingerprint.image_digest is None  # podman has no such image
+    assert grade.fingerprint.grader_version == fingerprints.grader_version()
