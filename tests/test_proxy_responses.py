@@ -168,6 +168,23 @@ def test_tool_call_only_reply_then_parallel_calls_as_items(proxy: ProxyServer) -
     assert [s.reason for s in proxy.capture(sid).segments] == [SegmentReason.MAIN]
 
 
+def test_include_output_text_logprobs_gives_each_sampled_tokens_logprob(proxy: ProxyServer) -> None:
+    sid = proxy.new_session()
+    client = oa(proxy, sid)
+    r = client.responses.create(model="m", input=say("Two words."), include=["message.output_text.logprobs"])
+    logprobs = r.output[0].content[0].logprobs  # type: ignore[union-attr]
+    seg = proxy.capture(sid).segments[0]
+    sampled = [lp for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if m]
+    assert logprobs is not None and [lp.logprob for lp in logprobs] == sampled and len(sampled) > 1
+    assert "".join(lp.token for lp in logprobs).startswith("Two words.")
+    events = list(client.responses.create(model="m", input=say("Two words."), stream=True,
+                                          include=["message.output_text.logprobs"]))
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert len(done.logprobs) == len(sampled)  # type: ignore[union-attr]
+    plain = client.responses.create(model="m", input=say("Two words."))
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+
+
 def test_tool_choice_none_keeps_tool_call_text_as_content(proxy: ProxyServer) -> None:
     sid = proxy.new_session()
     r = oa(proxy, sid).responses.create(model="m", input=call_bash("ls"), tools=[BASH],  # type: ignore[list-item]

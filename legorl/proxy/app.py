@@ -284,7 +284,7 @@ class ProxyApp:
             if api == "openai":
                 out = openai_api.response(result, opts, renderer)
             elif api == "responses":
-                out = responses_api.response(result, opts)
+                out = responses_api.response(result, opts, renderer)
             else:
                 out = anthropic_api.response(result, opts)
             await _json(send, 200, out)
@@ -293,7 +293,7 @@ class ProxyApp:
         if api == "openai":
             stream = openai_api.ChunkStream(opts)
         elif api == "responses":
-            stream = responses_api.EventStream(opts)
+            stream = responses_api.EventStream(opts, renderer)
         else:
             stream = anthropic_api.EventStream(opts)
         started = False

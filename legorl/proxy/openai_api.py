@@ -205,11 +205,14 @@ def _usage(result: CallResult) -> dict[str, int]:
             "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
+def token_logprobs(result: CallResult, renderer: ChatRenderer) -> list[dict[str, Any]]:
+    """Each sampled token (tool-call text included) with its logprob, as ``logprobs`` entries."""
+    return [{"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(result.token_ids, result.logprobs, strict=False)]
+
+
 def _logprobs(result: CallResult, renderer: ChatRenderer) -> dict[str, Any]:
-    return {"content": [
-        {"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-        for t, lp in zip(result.token_ids, result.logprobs, strict=False)
-    ]}
+    return {"content": token_logprobs(result, renderer)}
 
 
 def response(result: CallResult, opts: OpenAIOptions, renderer: ChatRenderer) -> dict[str, Any]:

@@ -19,10 +19,12 @@ Translation to canonical messages:
 Tools: ``function`` tools are served; every other tool type (``web_search``, ``local_shell``,
 ``custom`` / freeform, ``file_search``, ``mcp``…) is dropped, as the chat and Messages paths drop
 built-in tools: the policy can only call what the chat template renders. ``tool_choice``
-``"none"`` turns tool-call parsing off; ``parallel_tool_calls``, ``include``, ``reasoning``,
-``text``, ``prompt_cache_key``, ``metadata``, ``store`` and any other field are accepted (typed
-where the type is known) and ignored. ``max_output_tokens`` caps the sampled tokens; ``seed``
-(via ``extra_body``) is honoured as in chat completions.
+``"none"`` turns tool-call parsing off; ``parallel_tool_calls``, ``reasoning``, ``text``,
+``prompt_cache_key``, ``metadata``, ``store`` and any other field are accepted (typed where the
+type is known) and ignored. ``max_output_tokens`` caps the sampled tokens; ``seed`` (via
+``extra_body``) is honoured as in chat completions; ``include`` is honoured for
+``message.output_text.logprobs`` (every sampled token's logprob on the text, as chat completions'
+``logprobs: true``) and otherwise ignored (there is no encrypted reasoning to return).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from typing import Any
 
 from legorl.proxy.anthropic_api import event
 from legorl.proxy.core import CallResult, ChatRequest
-from legorl.proxy.openai_api import content_text
+from legorl.proxy.openai_api import content_text, token_logprobs
+from legorl.proxy.render import ChatRenderer
 from legorl.proxy.request_parts import function_tool, temperature_and_top_p, tool_specs
 from legorl.proxy.validate import (
     INT64_MAX,
@@ -77,6 +80,7 @@ class ResponsesOptions:
     metadata: dict[str, Any] = field(default_factory=dict)
     text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] | None = None
+    logprobs: bool = False  # include: ["message.output_text.logprobs"]
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -186,7 +190,7 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, Responses
         tool_choice=choice, parallel_tool_calls=opt_bool(body, "parallel_tool_calls", default=True),
         temperature=temperature, top_p=top_p, max_output_tokens=max_output_tokens,
         metadata=body.get("metadata") or {}, text=body.get("text") or {"format": {"type": "text"}},
-        reasoning=body.get("reasoning"),
+        reasoning=body.get("reasoning"), logprobs="message.output_text.logprobs" in include,
     )
     return req, opts
 
@@ -201,20 +205,22 @@ def _usage(result: CallResult) -> dict[str, Any]:
             "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _message_item(msg_id: str, content: list[dict[str, Any]], status: str) -> dict[str, Any]:
     return {"id": msg_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def output_items(result: CallResult, msg_id: str) -> list[dict[str, Any]]:
+def output_items(result: CallResult, msg_id: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The reply's output items: its text as a message (none when it only calls tools), then one
-    ``function_call`` per call (``call_id`` is the id a follow-up's items are matched by)."""
+    ``function_call`` per call (``call_id`` is the id a follow-up's items are matched by).
+    ``logprobs``, when asked for, are every sampled token's, on the message's text (as in chat
+    completions)."""
     items: list[dict[str, Any]] = []
     if result.content or not result.tool_calls:
-        items.append(_message_item(msg_id, [_text_part(result.content)], _status(result)))
+        items.append(_message_item(msg_id, [_text_part(result.content, logprobs)], _status(result)))
     for tc in result.tool_calls:
         items.append({"id": "fc_" + tc.id.removeprefix("call_"), "type": "function_call", "status": "completed",
                       "call_id": tc.id, "name": tc.name, "arguments": tc.arguments_json()})
@@ -239,8 +245,12 @@ def _status(result: CallResult) -> str:
     return "incomplete" if result.finish == "length" else "completed"
 
 
-def response(result: CallResult, opts: ResponsesOptions) -> dict[str, Any]:
-    items = output_items(result, "msg_" + secrets.token_hex(12))
+def _logprobs(result: CallResult, opts: ResponsesOptions, renderer: ChatRenderer) -> list[dict[str, Any]] | None:
+    return token_logprobs(result, renderer) if opts.logprobs else None
+
+
+def response(result: CallResult, opts: ResponsesOptions, renderer: ChatRenderer) -> dict[str, Any]:
+    items = output_items(result, "msg_" + secrets.token_hex(12), _logprobs(result, opts, renderer))
     return _response(opts, "resp_" + secrets.token_hex(12), int(time.time()), _status(result), items, result)
 
 
@@ -248,8 +258,9 @@ class EventStream:
     """Builds the SSE events of a streamed response, in the order the real API sends them, each
     with its ``sequence_number``."""
 
-    def __init__(self, opts: ResponsesOptions):
+    def __init__(self, opts: ResponsesOptions, renderer: ChatRenderer):
         self.opts = opts
+        self.renderer = renderer
         self.id = "resp_" + secrets.token_hex(12)
         self.msg_id = "msg_" + secrets.token_hex(12)
         self.created = int(time.time())
@@ -280,7 +291,7 @@ class EventStream:
 
     def end(self, result: CallResult, streamed: str) -> bytes:
         out = b""
-        items = output_items(result, self.msg_id)
+        items = output_items(result, self.msg_id, _logprobs(result, self.opts, self.renderer))
         index = 0
         if items and items[0]["type"] == "message":
             rest = result.content[len(streamed):] if result.content.startswith(streamed) else ""
@@ -291,7 +302,7 @@ class EventStream:
             where = {"item_id": self.msg_id, "output_index": 0}
             part = items[0]["content"][0]
             out += self._event("response.output_text.done", **where, content_index=0, text=part["text"],
-                               logprobs=[])
+                               logprobs=part["logprobs"])
             out += self._event("response.content_part.done", **where, content_index=0, part=part)
             out += self._event("response.output_item.done", output_index=0, item=items[0])
             index = 1
