@@ -156,16 +156,23 @@ def test_a_codex_shaped_turn_pair_extends_one_segment(proxy: ProxyServer) -> Non
     assert "web_search" not in _prompt_text(proxy)
 
 
-def test_tool_call_only_reply_then_parallel_calls_as_items(proxy: ProxyServer) -> None:
+def test_parallel_function_calls_only_round_trip_as_items(proxy: ProxyServer) -> None:
     sid = proxy.new_session()
     client = oa(proxy, sid)
-    r = client.responses.create(model="m", input=call_bash("pwd"), tools=[BASH])  # type: ignore[list-item]
-    assert [o.type for o in r.output] == ["function_call"] and r.output_text == ""
-    follow = [{"role": "user", "content": call_bash("pwd")}, *_items(r.output),
-              {"type": "function_call_output", "call_id": r.output[0].call_id,  # type: ignore[union-attr]
-               "output": [{"type": "input_text", "text": "/repo"}]}]
+    ask = say(tool_call_text("bash", {"command": "pwd"}) + "\n" + tool_call_text("bash", {"command": "ls"}))
+    r = client.responses.create(model="m", input=ask, tools=[BASH])  # type: ignore[list-item]
+    assert [o.type for o in r.output] == ["function_call", "function_call"] and r.output_text == ""
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [c.arguments for c in calls] == ['{"command": "pwd"}', '{"command": "ls"}']
+    assert len({c.call_id for c in calls}) == 2
+    follow = [{"role": "user", "content": ask}, *_items(r.output),
+              *[{"type": "function_call_output", "call_id": c.call_id,
+                 "output": [{"type": "input_text", "text": f"out {i}"}]} for i, c in enumerate(calls)]]
     client.responses.create(model="m", input=follow, tools=[BASH])  # type: ignore[arg-type, list-item]
-    assert [s.reason for s in proxy.capture(sid).segments] == [SegmentReason.MAIN]
+    cap = proxy.capture(sid)
+    assert [s.reason for s in cap.segments] == [SegmentReason.MAIN] and [c.segment for c in cap.calls] == [0, 0]
+    assert [m["role"] for m in cap.messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert len(cap.messages[1]["tool_calls"]) == 2
 
 
 def test_include_output_text_logprobs_gives_each_sampled_tokens_logprob(proxy: ProxyServer) -> None:
