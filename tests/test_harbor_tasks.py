@@ -144,6 +144,9 @@ ATTACKS = {
     "rewrite test.sh": _fizz_attack(
         "try:\n    open('/tests/test.sh', 'a').write('\\necho 1 > /logs/verifier/reward.txt\\n')\n"
         "except OSError:\n    pass\n"),
+    # test.sh runs `python3 -m pytest` in /app, so /app/pytest.py would be the test runner: the judge puts back
+    # a module shadowing an installed one
+    "shadow pytest": _file_patch("pytest.py", None, "import sys\nprint('3 passed')\nsys.exit(0)\n"),
     # the patch itself plants a reward file and a test.sh outside the WORKDIR: refused by every applier,
     # and /logs and /tests are made afresh after the patch anyway
     "planted /logs and /tests": _file_patch("../logs/verifier/reward.txt", None, "1\n")
@@ -229,6 +232,7 @@ def test_gold_one_empty_zero_attacks_zero_through_legorl_grade(harbor_run: Path,
         verdicts["reward folder + json"][2] or "")
     assert verdicts["late daemon"][1] == "tests_errored" and "still running" in (verdicts["late daemon"][2] or "")
     assert verdicts["rewrite test.sh"][1] == "graded"
+    assert verdicts["shadow pytest"][1] == "graded" and attacked["shadow pytest"].dropped_paths == ["pytest.py"]
     assert verdicts["planted /logs and /tests"][1] == "patch_apply_failed"
 
 

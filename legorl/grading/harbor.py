@@ -6,6 +6,9 @@ One fresh container from the task's image (network off) runs :func:`harbor_scrip
    handed to the unprivileged test user (uid 1777), who applies the patch as legorl applies patches
    (``git apply``, ``--reject``, GNU ``patch --fuzz=5``, the tree put back between tries); every
    process of that user is then killed, and whatever ``.git`` the patch made is replaced by the pristine one;
+   where the image has python3, :mod:`.sandboxed.judge` puts back what a patch may not change (a
+   module shadowing ``pytest`` or the stdlib, ``conftest.py``, ``.pth``, links, native code...) and
+   screens its Python lines, as for SWE tasks, except that a new module that shadows nothing stays;
 2. ``/tests`` and ``/logs`` are made afresh by root — whatever the image or the patch put there is
    gone — ``/tests`` from the task row only now, root's and read-only, ``/logs`` root's with only
    ``/logs/verifier`` the test user's;
@@ -31,9 +34,11 @@ import math
 import secrets
 import shlex
 from dataclasses import dataclass
+from importlib import resources
 from typing import TYPE_CHECKING
 
 from legorl.grading.container import INFRA_SLACK_S, GradingInfraError, Run
+from legorl.grading.patches import touched_paths
 from legorl.grading.report import F2P
 from legorl.grading.script import (
     APPLY_METHODS,
@@ -55,6 +60,16 @@ HARBOR = "harbor"
 REWARD_FILES = ("reward.txt", "reward.json")  # Harbor's precedence: reward.txt first
 MAX_REWARD_BYTES = 65_536
 _UNPACK = f"tar -x -i --no-same-owner -C / -f - && exec bash {WORK}/harbor.sh"
+# The judge as SWE grading runs it, less one rule: in a Harbor WORKDIR (usually a flat folder) a new
+# module is the usual shape of a solution; one that shadows the stdlib or an installed module still goes back.
+JUDGE_WRAPPER = """import sys
+sys.path.insert(0, sys.argv[2])
+import judge
+_why = judge.Rules.why
+judge.Rules.why = lambda self, rel: None if _why(self, rel) == "new module outside any package" else _why(self, rel)
+del sys.argv[2]
+judge.main()
+"""
 _REFUSED = {"link": "a symbolic link", "hardlink": "a hard link", "special": "not a regular file"}
 
 
@@ -107,7 +122,14 @@ mkdir -p $W/tests && base64 -d $W/tests.b64 | tar -xz --no-same-owner -C $W/test
   || {{ ev infra "cannot unpack the task's tests"; exit 0; }}
 ev ready
 {apply_block}ev applied
-rm -rf "$D/.git"; if [ -d $W/git ]; then mv $W/git "$D/.git"; fi
+rm -rf "$D/.git"
+PY=$(command -v python3 || true)
+if [ -n "$PY" ]; then
+  J=$(cd $W && "$PY" -I $W/harbor_judge.py $W/judge.json $W 2>$W/judge.err); jc=$?
+  if [ $jc -ne 0 ]; then ev judge_failed "$(tail -c 400 $W/judge.err | base64 -w0)"; exit 0; fi
+  ev judged "$(printf %s "$J" | base64 -w0)"
+fi
+if [ -d $W/git ]; then mv $W/git "$D/.git"; fi
 rm -rf $W/pristine /tests /logs && mkdir -p /tests /logs/verifier /logs/agent /tmp/.legorl-home \\
   && cp -a $W/tests/. /tests/ && chown -R 0:0 /tests /logs && chmod -R go-w,a+rX /tests && chmod 755 /logs \\
   && chown $U:$U /logs/verifier /tmp/.legorl-home || {{ ev infra "cannot prepare /tests and /logs"; exit 0; }}
@@ -197,6 +219,8 @@ class HarborRun:
         ev = self.events
         if "applied" not in ev:
             return f"the grading script stopped while applying the patch (exit {self.run.result.exit_code})"
+        if "judge_failed" in ev:
+            return "the patched tree could not be judged"
         if "tests_end" not in ev:
             if "infra" in ev:
                 return ev.data("infra")
@@ -227,6 +251,10 @@ def run_grade(grader: Grader, task: TaskRow, patch: str) -> HarborRun:
                                    timeout=timeout, has_patch=bool(patch.strip())),
         "patch.diff": patch,
         "tests.b64": task.hidden_tests,
+        "judge.py": resources.files("legorl.grading.sandboxed").joinpath("judge.py").read_text(),
+        "harbor_judge.py": JUDGE_WRAPPER,
+        "judge.json": json.dumps({"tree": task.workdir, "pristine": f"{WORK}/pristine", "hidden": [],
+                                  "changes": f"{WORK}/changes.json", "gold": touched_paths(task.patch)}),
     }
     limit = timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
     spec = SandboxSpec(image=grader.containers.image_for(task), labels={"role": "grade", **options.labels},
@@ -259,6 +287,11 @@ def grade(grader: Grader, task: TaskRow, patch: str, out: GradeRow) -> None:
         raise GradingInfraError(hr.run.before_patch_error())
     out.apply_method = next((line[len(">>>>> Applied Patch ("):-1] for line in out.log.splitlines()
                              if line.startswith(">>>>> Applied Patch (")), None)
+    judged = _json_event(hr.events, "judged")
+    if judged is not None:
+        reset = [r for r in judged.get("reset", []) if isinstance(r, list) and len(r) == 2]
+        out.dropped_paths = sorted({str(path) for path, _why in reset})
+        out.suspicious = [str(s) for s in judged.get("suspicious", [])][:50]
     if "tests_end" in hr.events and hr.timed_out():
         grader._zero(out, GradeStatus.TEST_TIMEOUT, f"test.sh ran past {hr.timeout:g} s", task)
         return
@@ -276,8 +309,19 @@ def grade(grader: Grader, task: TaskRow, patch: str, out: GradeRow) -> None:
     passed = reward == 1.0
     out.reward, out.resolved = reward, passed
     out.resolution = Resolution.FULL if passed else Resolution.PARTIAL if reward > 0 else Resolution.NO
+    if passed and out.suspicious and grader.options.suspicious_scores_zero:
+        out.status, out.reward, out.resolved, out.resolution = GradeStatus.SUSPICIOUS, 0.0, False, Resolution.NO
+        out.error = f"test.sh gave 1, but the patch's code reaches into the test runner ({out.suspicious[0]})"
     out.tests = [TestResult(name=name, kind=F2P, status="PASSED" if passed else "FAILED", passed=passed)
                  for name in task.FAIL_TO_PASS]
+
+
+def _json_event(events: Events, name: str) -> dict[str, list[object]] | None:
+    try:
+        data = json.loads(events.decoded(name) or "null")
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def control_problem(grader: Grader, task: TaskRow) -> str | None:
