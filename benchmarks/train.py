@@ -17,8 +17,9 @@ turns of 48 tokens between ~900-token tool outputs: ~5% of the tokens sampled): 
 segments, one update, for each segment length and vocabulary (the tiny model's 8,192 and a tiny
 Qwen3 with Qwen3's 151,936-token embedding), legorl and plain TRL each in a fresh subprocess
 (fixed seeds) so that each peak is its own: peak memory is the subprocess's RSS high-water mark
-(``ru_maxrss``: everything the process touched, weights and optimizer included; ``+train`` is the
-rise over the RSS just before ``train()``). Both run with gradient checkpointing, plain TRL's default. A run that exceeds ``--mem-cap-gb`` of address space
+(everything the process touched, weights and optimizer included), and the peak of each phase of the
+update (:class:`PhasePeaks`); ``+step`` is the update's own rise: activations, LM-head tiles and
+temporaries, over the model and its gradients. Both run with gradient checkpointing, plain TRL's default. A run that exceeds ``--mem-cap-gb`` of address space
 (RLIMIT_AS) or is killed is reported as OOM. A fork-heavy trial (three rewrite segments of one
 prompt, two trials) is timed with legorl's padded path (``padding_free=False``: the path before
 packing) and the packed one.
@@ -102,7 +103,9 @@ def agent_data(length: int, vocab: int, trials: int = 2, forks: int = 1, seed: i
     return data
 
 
-def run_legorl(model_dir: Path, data: Any, updates: int, out: Path, **options: Any) -> tuple[float, int, float]:
+def run_legorl(
+    model_dir: Path, data: Any, updates: int, out: Path, probe: PhasePeaks | None = None, **options: Any,
+) -> tuple[float, int, float]:
     from legorl.stages.train import _build_trainer, prepare
     from legorl.training.config import TrainConfig
 
@@ -112,13 +115,17 @@ def run_legorl(model_dir: Path, data: Any, updates: int, out: Path, **options: A
     batch = [i for t in data.trials for i in t.sequences]
     trainer = _build_trainer(model_dir, out, data, [batch] * updates, config, None, [])
     trainer.args.save_strategy = "no"
+    if probe is not None:
+        probe.attach(trainer)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     return wall, trainer.trained_tokens, trainer.padding_tokens / max(trainer.forward_tokens, 1)
 
 
-def run_plain_trl(model_dir: Path, data: Any, group_size: int, updates: int, out: Path) -> tuple[float, int, float]:
+def run_plain_trl(
+    model_dir: Path, data: Any, group_size: int, updates: int, out: Path, probe: PhasePeaks | None = None,
+) -> tuple[float, int, float]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -165,6 +172,8 @@ def run_plain_trl(model_dir: Path, data: Any, group_size: int, updates: int, out
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
+    if probe is not None:
+        probe.attach(trainer)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -200,11 +209,66 @@ def wide_model_dir(vocab: int) -> Path:
     return out
 
 
-def _rss_gb() -> float:
+def _status() -> dict[str, float]:
+    """VmRSS and VmHWM (the RSS high-water mark) of this process, GB."""
+    out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1e6
-    return float("nan")
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) / 1e6
+    return out
+
+
+class PhasePeaks:
+    """The peak RSS of each phase of one update. At each phase boundary VmHWM is read, then reset to
+    the current RSS (``/proc/self/clear_refs`` ``5``), so each phase's peak is its own: ``import``
+    (interpreter, torch/transformers/TRL, data), ``setup`` (model load, trainer construction),
+    ``forward`` (to the loss), ``backward`` (to the optimizer step; gradients allocated here),
+    ``optimizer`` (Adam's step; its state allocated here)."""
+
+    def __init__(self) -> None:
+        self.peak: dict[str, float] = {}
+        self.rss: dict[str, float] = {}
+        self.param_bytes = 0
+        self.mark("import")
+
+    def mark(self, phase: str) -> None:
+        status = _status()
+        self.peak[phase] = max(self.peak.get(phase, 0.0), status["VmHWM"])
+        self.rss[phase] = status["VmRSS"]
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def attach(self, trainer: Any) -> None:
+        from transformers import TrainerCallback
+
+        self.mark("setup")
+        self.param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+        inner = trainer.compute_loss
+        probe = self
+
+        def compute_loss(*args: Any, **kwargs: Any) -> Any:
+            loss = inner(*args, **kwargs)
+            probe.mark("forward")
+            return loss
+
+        class Marks(TrainerCallback):
+            def on_pre_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+                probe.mark("backward")
+
+            def on_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+                probe.mark("optimizer")
+
+        trainer.compute_loss = compute_loss
+        trainer.add_callback(Marks())
+
+    def figures(self) -> dict[str, Any]:
+        """``step_gb``: the update's own rise -- the forward/backward peak over the RSS with the model
+        loaded, less the gradients (one float per parameter, resident at that peak): activations,
+        LM-head tiles and temporaries."""
+        grads = self.param_bytes / 1e9
+        fwd_bwd = max(self.peak.get("forward", 0.0), self.peak.get("backward", 0.0))
+        return {"phases": self.peak, "rss": self.rss, "param_gb": grads,
+                "step_gb": fwd_bwd - self.rss["setup"] - grads}
 
 
 def child(spec: dict[str, Any]) -> None:
@@ -215,20 +279,22 @@ def child(spec: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model_dir = Path(spec["model"])
     data = agent_data(spec["length"], spec["vocab"], trials=spec["trials"], forks=spec["forks"])
-    base = _rss_gb()
+    probe = PhasePeaks()
     with tempfile.TemporaryDirectory() as tmp:
         try:
             if spec["trainer"] == "trl":
-                wall, tokens, waste = run_plain_trl(model_dir, data, spec["trials"], 1, Path(tmp))
+                wall, tokens, waste = run_plain_trl(model_dir, data, spec["trials"], 1, Path(tmp), probe)
             else:
-                wall, tokens, waste = run_legorl(model_dir, data, 1, Path(tmp), **spec["options"])
+                wall, tokens, waste = run_legorl(model_dir, data, 1, Path(tmp), probe, **spec["options"])
         except (MemoryError, RuntimeError) as e:
             if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
                 raise
             print(json.dumps({"oom": True, "error": str(e)[:200]}))
             return
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    print(json.dumps({"wall": wall, "tokens": tokens, "waste": waste, "peak_gb": peak, "base_gb": base}))
+    probe.mark("end")
+    # Not ru_maxrss: resetting VmHWM resets it too; the whole-process peak is the highest phase's.
+    peak = max(probe.peak.values())
+    print(json.dumps({"wall": wall, "tokens": tokens, "waste": waste, "peak_gb": peak, **probe.figures()}))
 
 
 def measure(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -245,49 +311,99 @@ def measure(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return result
 
 
-def _cell(r: dict[str, Any]) -> str:
-    if r.get("oom"):
-        return f"{'OOM':>27s}"
-    if r.get("timeout"):
-        return f"{'timeout':>27s}"
-    if "error" in r:
-        return f"{'error':>27s}"
-    return f"{r['peak_gb']:7.2f}{r['peak_gb'] - r['base_gb']:7.2f}{r['tokens'] / r['wall']:8.0f}{r['wall']:5.0f}"
+def measure_point(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``--repeat`` runs of one point: memory from the first (it does not depend on load), the median
+    wall time, every wall time kept; appended to ``--results``."""
+    runs = []
+    for _ in range(args.repeat):
+        runs.append(measure(spec, args.timeout))
+        if "wall" not in runs[-1]:
+            break
+    result = dict(runs[0])
+    if all("wall" in r for r in runs):
+        result["walls"] = [r["wall"] for r in runs]
+        result["wall"] = float(np.median(result["walls"]))
+    result["spec"] = spec
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
 
 
-def _ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
-    if not all("wall" in r for r in (a, b)):
-        return f"{'-':>15s}"
-    mem = b["peak_gb"] / a["peak_gb"]
-    speed = (a["tokens"] / a["wall"]) / (b["tokens"] / b["wall"])
-    return f"{mem:7.1f}x{speed:7.2f}x"
+HEADER = ("| point | trainer | peak GB | import | model loaded | fwd peak | bwd peak | opt peak | +step GB "
+          "| tok/s | wall s (runs) |")
+
+
+def _row(r: dict[str, Any]) -> str:
+    spec = r["spec"]
+    point = f"V={spec['vocab'] // 1000}k T={spec['length'] // 1024}k" + (f" x{spec['forks']} forks"
+                                                                          if spec["forks"] > 1 else "")
+    name = spec.get("label") or spec["trainer"]
+    if "wall" not in r:
+        what = "OOM" if r.get("oom") else "timeout" if r.get("timeout") else f"error {r.get('error')}"
+        return f"| {point} | {name} | {what} |" + " |" * 8
+    ph = r["phases"]
+    walls = ", ".join(f"{w:.0f}" for w in r.get("walls", [r["wall"]]))
+    return (f"| {point} | {name} | {r['peak_gb']:.2f} | {ph['import']:.2f} | {r['rss']['setup']:.2f} "
+            f"| {ph.get('forward', 0):.2f} | {ph.get('backward', 0):.2f} | {ph.get('optimizer', 0):.2f} "
+            f"| {r['step_gb']:.2f} | {r['tokens'] / r['wall']:.0f} | {walls} |")
+
+
+def _ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    if not all("wall" in r for r in (ours, theirs)):
+        return "-"
+    speed = (ours["tokens"] / ours["wall"]) / (theirs["tokens"] / theirs["wall"])
+    return (f"peak {theirs['peak_gb'] / ours['peak_gb']:.1f}x less, +step {theirs['step_gb'] / ours['step_gb']:.1f}x "
+            f"less, {speed:.2f}x tokens/s")
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Markdown: one row per measured point, then legorl against plain TRL per point."""
+    lines = [HEADER, "|" + "---|" * 11]
+    lines += [_row(r) for r in results]
+    by_point: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
+    for r in results:
+        spec = r["spec"]
+        key = (spec["vocab"], spec["length"], spec["forks"])
+        by_point.setdefault(key, {})[spec.get("label") or spec["trainer"]] = r
+    lines.append("")
+    for (vocab, length, forks), named in by_point.items():
+        names = list(named)
+        if len(names) == 2:
+            point = f"V={vocab // 1000}k T={length // 1024}k" + (f" x{forks} forks" if forks > 1 else "")
+            lines.append(f"- {point}, {names[0]} vs {names[1]}: {_ratio(named[names[0]], named[names[1]])}")
+    return "\n".join(lines)
 
 
 def sweep(args: argparse.Namespace) -> None:
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
         [1024, 4096] if args.quick else [1024, 4096, 16384, 32768])
     vocabs = [int(x) for x in args.vocabs.split(",")]
+    trainers = args.trainers.split(",")
     base = {"threads": args.threads, "mem_cap_gb": args.mem_cap_gb, "trials": 2, "forks": 1}
     print(f"sweep: one group of 2 segments, 1 update, {args.threads} thread(s), address-space cap "
-          f"{args.mem_cap_gb:g} GB; peak = RSS high-water (GB), +train = over the RSS before train()")
-    print(f"{'':14s}{'legorl: peak +train tok/s    s':>27s}{'plain TRL: peak +train tok/s s':>32s}"
-          f"{'mem less  faster':>18s}")
+          f"{args.mem_cap_gb:g} GB, {args.repeat} run(s) per point (median wall); GB columns: RSS",
+          flush=True)
+    results = []
     for vocab in vocabs:
         model = str(wide_model_dir(vocab))
         for length in lengths:
             spec = {**base, "model": model, "vocab": vocab, "length": length}
             # Gradient checkpointing on, as in plain TRL's defaults (legorl's default is off).
-            ours = measure({**spec, "trainer": "legorl", "options": {"gradient_checkpointing": True}}, args.timeout)
-            trl = measure({**spec, "trainer": "trl", "options": {}}, args.timeout)
-            print(f"{f'V={vocab // 1000}k T={length // 1024}k':14s}{_cell(ours)}  {_cell(trl)}   {_ratio(ours, trl)}",
-                  flush=True)
-    length = 1920
-    spec = {**base, "model": str(wide_model_dir(vocabs[0])), "vocab": vocabs[0], "length": length, "forks": 3,
-            "trainer": "legorl"}
-    padded = measure({**spec, "options": {"padding_free": False}}, args.timeout)
-    packed = measure({**spec, "options": {}}, args.timeout)
-    print(f"forks: 2 trials x 3 rewrite segments of {length} tokens (96 sampled each), V={vocabs[0] // 1000}k")
-    print(f"{'padded path':14s}{_cell(padded)}\n{'packed+shared':14s}{_cell(packed)}   {_ratio(packed, padded)}")
+            if "legorl" in trainers:
+                results.append(measure_point(
+                    {**spec, "trainer": "legorl", "options": {"gradient_checkpointing": True}}, args))
+                print(_row(results[-1]), flush=True)
+            if "trl" in trainers:
+                results.append(measure_point({**spec, "trainer": "trl", "options": {}}, args))
+                print(_row(results[-1]), flush=True)
+    if args.forks:
+        length = 1920
+        spec = {**base, "model": str(wide_model_dir(vocabs[0])), "vocab": vocabs[0], "length": length, "forks": 3,
+                "trainer": "legorl"}
+        results.append(measure_point({**spec, "label": "legorl packed+shared", "options": {}}, args))
+        results.append(measure_point({**spec, "label": "legorl padded", "options": {"padding_free": False}}, args))
+    print(table(results))
 
 
 def main() -> None:
@@ -306,7 +422,16 @@ def main() -> None:
     parser.add_argument("--vocabs", default="8192,151936", help="with --sweep: comma-separated vocabulary sizes")
     parser.add_argument("--mem-cap-gb", type=float, default=16.0, help="with --sweep: address-space cap per run")
     parser.add_argument("--timeout", type=float, default=1800.0, help="with --sweep: seconds per run")
+    parser.add_argument("--trainers", default="legorl,trl", help="with --sweep: legorl, trl or both")
+    parser.add_argument("--repeat", type=int, default=2, help="with --sweep: runs per point (median wall time)")
+    parser.add_argument("--no-forks", dest="forks", action="store_false", help="with --sweep: skip the fork point")
+    parser.add_argument("--results", default="", help="with --sweep: append every measured point here (JSON lines)")
+    parser.add_argument("--table", nargs="+", type=Path, default=None,
+                        help="print the table of --results files (several runs combined) and exit")
     args = parser.parse_args()
+    if args.table:
+        print(table([json.loads(line) for path in args.table for line in path.read_text().splitlines() if line]))
+        return
     torch.set_num_threads(args.threads)
     if args.sweep:
         sweep(args)

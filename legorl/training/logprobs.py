@@ -7,7 +7,9 @@ environment tokens (loss mask 0), so :func:`sampled_logps` runs the backbone onc
 row (:mod:`.packing`, :mod:`.attention`), gathers the hidden states that predict a sampled token
 and scores only those, through TRL's own chunked log-softmax kernel (``trl.kernels``: it never
 materialises more than one ``[tokens, vocab chunk]`` tile, and recomputes the tile in the
-backward pass), ``token_chunk`` positions at a time. The result is laid back into TRL's (B, C)
+backward pass), in one call whose tile is bounded in bytes (:func:`vocab_chunk`). One call, not
+one per slice of positions: each call's backward allocates a whole ``[vocab, hidden]`` weight
+gradient (156 MB for a 152k vocabulary at hidden 256), so k calls held k of them. The result is laid back into TRL's (B, C)
 completion layout, 0 elsewhere: TRL's losses multiply every per-token term by the loss mask, so
 they are unchanged.
 """
@@ -20,13 +22,21 @@ from typing import Any
 
 import torch
 from trl.kernels import ChunkedLogProbFunction
+from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
 
 from legorl.errors import LegorlError
 from legorl.training.attention import NAME as ATTENTION
 from legorl.training.packing import Packed
 
-VOCAB_CHUNK = 16384  # LM-head columns per tile of the chunked log-softmax
-TOKEN_CHUNK = 1024  # scored positions per call of the kernel: tile memory is TOKEN_CHUNK x VOCAB_CHUNK
+HEAD_TILE_BYTES = 32 * 2**20  # one [positions, vocab chunk] tile of the chunked log-softmax
+MIN_VOCAB_CHUNK = 1024
+
+
+def vocab_chunk(positions: int, vocab: int, element_size: int, tile_bytes: int = HEAD_TILE_BYTES) -> int:
+    """LM-head columns per tile so that the kernel's tile (up to its ``TOKEN_CHUNK_SIZE`` positions
+    at a time) holds at most ``tile_bytes``."""
+    rows = max(1, min(positions, TOKEN_CHUNK_SIZE))
+    return min(vocab, max(MIN_VOCAB_CHUNK, tile_bytes // (rows * element_size)))
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ def _head_scaling(model: Any) -> tuple[float | None, float]:
 def sampled_logps(
     model: Any, packed: Packed, completion_ids: torch.Tensor, score_mask: torch.Tensor, *, temperature: float,
     compute_entropy: bool, compute_aux_loss: bool = False, cast_lm_head_to_fp32: bool = False,
-    token_chunk: int = TOKEN_CHUNK, forward_through: torch.nn.Module | None = None,
+    tile_bytes: int = HEAD_TILE_BYTES, forward_through: torch.nn.Module | None = None,
 ) -> Scored:
     """Logprobs of ``completion_ids`` (B, C) at the positions ``score_mask`` (B, C) marks, from one
     forward of ``packed`` (the batch ``prompt + completion`` of width W = P + C, packed). Call it
@@ -89,26 +99,22 @@ def sampled_logps(
     chosen = hidden[at]
     if cast_lm_head_to_fp32:
         chosen = chosen.float()
-    logps, entropies = [], []
     wanted = ("log_probs", "entropy") if compute_entropy else ("log_probs",)
-    with torch.autocast(chosen.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext():
-        for start in range(0, chosen.shape[0], token_chunk):
-            part = slice(start, start + token_chunk)
-            lp, ent, *_ = ChunkedLogProbFunction.apply(
-                chosen[part], weight, bias, labels[part], temperature, VOCAB_CHUNK, softcap, logit_scale, wanted
-            )
-            logps.append(lp)
-            entropies.append(ent)
     mask = score_mask.bool()
     # masked_scatter keeps the graph connected (a differentiable 0) even when nothing is scored; the
     # head's weight is joined too, so every parameter gets a (zero) gradient, as DDP requires.
     full = hidden.new_zeros(mask.shape, dtype=torch.float32)
-    if not logps:
+    lp = ent = full[:0, 0]
+    if chosen.shape[0] == 0:
         full = full + 0.0 * weight.sum()
-    per_token = full.masked_scatter(mask, torch.cat(logps) if logps else full[:0, 0])
-    entropy = None
-    if compute_entropy:
-        entropy = full.masked_scatter(mask, torch.cat(entropies) if entropies else full[:0, 0])
+    else:
+        columns = vocab_chunk(chosen.shape[0], weight.shape[0], 4, tile_bytes)  # the tile is fp32 at most
+        with torch.autocast(chosen.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext():
+            lp, ent, *_ = ChunkedLogProbFunction.apply(
+                chosen, weight, bias, labels, temperature, columns, softcap, logit_scale, wanted
+            )
+    per_token = full.masked_scatter(mask, lp)
+    entropy = full.masked_scatter(mask, ent) if compute_entropy else None
     aux: Any = None
     if compute_aux_loss:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
