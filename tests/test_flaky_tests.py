@@ -6,6 +6,7 @@ stays 1."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -174,3 +175,17 @@ def test_inspect_shows_flaky_test_ids_as_text_at_80_columns(tmp_path: Path) -> N
     assert "flaky tests: t-1 count 3, names" in " ".join(line.strip() for line in lines)
     assert all(name in text for name in names), lines
     assert "t-2" not in text
+
+
+@pytest.mark.parametrize(("recorded", "message"), [
+    ("{not json", "not JSON"),
+    (json.dumps({FLAKY: ["PASSED", "FAILED"]}), "expected a JSON object of test id -> {patch: [status per run]}"),
+])
+def test_import_refuses_a_malformed_flaky_tests_record(tmp_path: Path, recorded: str, message: str) -> None:
+    from legorl.tasks.importer import TaskImportError, import_tasks
+
+    row = {"instance_id": "x-1", "repo": "x", "test_patch": "", "test_command": "pytest",
+           "FAIL_TO_PASS": ["t::a"], "flaky_tests": recorded}
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(TaskImportError, match=re.escape(f"row 0 (x-1): field 'flaky_tests': {message}")):
+        import_tasks(str(tmp_path / "tasks.jsonl"), tmp_path / "run" / "tasks")
