@@ -13,9 +13,11 @@ from train_support import TrialSpec, run_fixture
 
 from legorl.paths import RunDir
 from legorl.stages.train import _build_trainer, prepare
+from legorl.training.attention import packed_attention
 from legorl.training.batching import make_batches, token_micro_batches
 from legorl.training.config import TrainConfig
 from legorl.training.data import load_step
+from legorl.training.logprobs import HEAD_TILE_BYTES, sampled_logps, vocab_chunk
 from legorl.training.packing import pack
 
 # Two groups; two trials forked into a main segment and a rewrite holding it as its prefix.
@@ -117,6 +119,37 @@ def test_fork_prefix_is_packed_once() -> None:
     assert torch.equal(packed.weight[0, :40], torch.full((40,), 3.0))
     separate = pack(ids, mask, [0, 1, 2, 3])
     assert separate.length == int(mask.sum())
+
+
+def test_lm_head_tile_is_bounded_in_bytes_and_changes_nothing(tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # 1,500 sampled positions of a 152k vocabulary: tiles of ~5.6k columns, never over the budget.
+    assert vocab_chunk(1500, 151936, 4) >= 1024 and vocab_chunk(1500, 151936, 4) * 1500 * 4 <= HEAD_TILE_BYTES
+    assert vocab_chunk(10, 8192, 4) == 8192
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones_like(ids)
+    attention[1, 30:] = 0
+    score = torch.zeros(2, 20)  # the completion is the last 20 columns
+    score[0, 5:15], score[1, :8] = 1, 1
+    packed = pack(ids, attention)
+    results = []
+    for tile in (HEAD_TILE_BYTES, 4 * 1024 * 10):  # one tile; then 1,024-column tiles, 8 per vocabulary
+        model.zero_grad()
+        with packed_attention(model):
+            scored = sampled_logps(model, packed, ids[:, -20:], score, temperature=1.0, compute_entropy=True,
+                                   tile_bytes=tile)
+        scored.logps.sum().backward()
+        results.append((scored.logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, -21:-1]
+    reference = logits.log_softmax(-1).gather(-1, ids[:, -20:, None])[..., 0] * score
+    reference.sum().backward()
+    for logps, grads in results:
+        torch.testing.assert_close(logps, reference.detach(), atol=1e-5, rtol=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def _accumulated_grads(trainer: Any, batch: list[int]) -> dict[str, torch.Tensor]:
