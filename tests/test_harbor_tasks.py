@@ -260,3 +260,38 @@ def test_a_trial_patch_from_testbed_grades(harbor_run: Path) -> None:
     assert patch.startswith("diff --git a/fizzbuzz.py b/fizzbuzz.py")
     row = Grader(GradeOptions()).grade(task, patch)
     assert (row.reward, row.status) == (1.0, "graded"), row.error
+
+
+# The grading script with one defence taken out (each replacement must change the script).
+WEAKENED = {
+    "late daemon": ("if survivors; then ev survivors; fi\nkill_user\n", "sleep 2\nkill_user\n"),
+    "reward link": ('if [ -L "$f" ]; then ev "$1" link; elif', "if false; then :; elif"),
+    "rewrite test.sh": ("chmod -R go-w,a+rX /tests", "chmod -R a+rwX /tests"),
+}
+
+
+@pytest.mark.podman
+@pytest.mark.slow
+def test_each_defence_is_what_stops_its_attack(harbor_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its defence an attack scores 1 (the late daemon is then left to the screen)."""
+    from legorl.grading import harbor
+    from legorl.grading.grader import GradeOptions, Grader
+
+    task = next(t for t in shards.read_rows(harbor_run / "tasks", Kind.TASKS) if t.instance_id == "fix-fizzbuzz")
+    original = harbor.harbor_script
+    for name, (old, new) in WEAKENED.items():
+        def weakened(*args: object, _old: str = old, _new: str = new, **kwargs: object) -> str:
+            script = original(*args, **kwargs)  # type: ignore[arg-type]
+            assert _old in script
+            return script.replace(_old, _new)
+
+        monkeypatch.setattr(harbor, "harbor_script", weakened)
+        row = Grader(GradeOptions()).grade(task, ATTACKS[name])
+        if name == "late daemon":  # it wins the reward file; only the screen's finding (os.fork) zeroes the pass
+            assert (row.reward, row.status) == (0.0, "suspicious") and "test.sh gave 1" in (row.error or "")
+        else:
+            assert (row.reward, row.status) == (1.0, "graded"), (name, row.error)
+    monkeypatch.setattr(harbor, "harbor_script", original)
+    monkeypatch.setattr(harbor, "JUDGE_WRAPPER", "print('{}')\n")  # no judge: /app/pytest.py is the test runner
+    row = Grader(GradeOptions()).grade(task, ATTACKS["shadow pytest"])
+    assert (row.reward, row.status) == (1.0, "graded")
