@@ -37,6 +37,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,14 @@ class PhasePeaks:
                 "step_gb": fwd_bwd - self.rss["setup"] - grads}
 
 
+def _deadline(probe: PhasePeaks, seconds: float) -> None:
+    """Past ``seconds``, report the peaks so far (a lower bound on the run's) and end the process."""
+    time.sleep(seconds)
+    probe.mark("timeout")
+    print(json.dumps({"timeout": True, "peak_gb": max(probe.peak.values()), "phases": probe.peak}), flush=True)
+    os._exit(0)
+
+
 def child(spec: dict[str, Any]) -> None:
     """One measured run (its own process, so its peak is its own); prints one JSON line."""
     cap = int(spec["mem_cap_gb"] * 1e9)
@@ -280,6 +289,7 @@ def child(spec: dict[str, Any]) -> None:
     model_dir = Path(spec["model"])
     data = agent_data(spec["length"], spec["vocab"], trials=spec["trials"], forks=spec["forks"])
     probe = PhasePeaks()
+    threading.Thread(target=_deadline, args=(probe, spec["timeout"]), daemon=True).start()
     with tempfile.TemporaryDirectory() as tmp:
         try:
             if spec["trainer"] == "trl":
@@ -298,9 +308,9 @@ def child(spec: dict[str, Any]) -> None:
 
 
 def measure(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+    cmd = [sys.executable, __file__, "--child", json.dumps({**spec, "timeout": timeout})]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 120)
     except subprocess.TimeoutExpired:
         return {"timeout": True}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -323,7 +333,7 @@ def measure_point(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, A
     if all("wall" in r for r in runs):
         result["walls"] = [r["wall"] for r in runs]
         result["wall"] = float(np.median(result["walls"]))
-    result["spec"] = spec
+    result["spec"] = {**spec, "timeout_s": args.timeout}
     if args.results:
         with open(args.results, "a") as f:
             f.write(json.dumps(result) + "\n")
@@ -340,7 +350,9 @@ def _row(r: dict[str, Any]) -> str:
                                                                           if spec["forks"] > 1 else "")
     name = spec.get("label") or spec["trainer"]
     if "wall" not in r:
-        what = "OOM" if r.get("oom") else "timeout" if r.get("timeout") else f"error {r.get('error')}"
+        what = "OOM" if r.get("oom") else f"error {r.get('error')}"
+        if r.get("timeout"):
+            what = "timeout" + (f", peak so far {r['peak_gb']:.2f}" if "peak_gb" in r else "")
         return f"| {point} | {name} | {what} |" + " |" * 8
     ph = r["phases"]
     walls = ", ".join(f"{w:.0f}" for w in r.get("walls", [r["wall"]]))
