@@ -96,6 +96,29 @@ SANDBOXED_DIGEST = hashlib.sha256((_sandboxed("judge.py") + _sandboxed("runner.p
                                    + Path(__file__).read_text()).encode()).hexdigest()[:16]
 
 
+def patch_apply_block(tree: str) -> str:
+    """The bash that applies ``$W/patch.diff`` to ``tree`` as the unprivileged user, one method after
+    another (each under a timeout, the tree reset between tries), then removes the appliers' leftovers."""
+    q = shlex.quote
+    tries = "\n".join(
+        f"  if [ -z \"$applied\" ]; then echo '>>>>> legorl: trying {name}'; "
+        f"if (cd {tree} && timeout -k 5 {APPLY_TIMEOUT_S} setpriv --reuid=$U --regid=$U --clear-groups "
+        f"{cmd.format(f='/tmp/.legorl-patch/patch.diff')}) 2>&1; "
+        f"then applied={q(name)}; else kill_user; reset_tree; fi; fi"
+        for name, cmd in APPLY_METHODS)
+    return f"""mkdir -p /tmp/.legorl-patch && cp $W/patch.diff /tmp/.legorl-patch/ && chmod 755 /tmp/.legorl-patch \\
+  && chmod 644 /tmp/.legorl-patch/patch.diff || {{ ev infra "cannot stage the patch"; exit 0; }}
+applied=
+{tries}
+kill_user
+rm -rf /tmp/.legorl-patch
+if [ -z "$applied" ]; then echo '>>>>> Patch Apply Failed'; ev apply_failed; exit 0; fi
+echo ">>>>> Applied Patch ($applied)"
+find {tree} -path {tree}/.git -prune -o \\( -name '*.rej' -o -name '*.orig' \\) -type f -newer $W/patch.diff -print0 \\
+  | xargs -0 -r rm -f --
+"""
+
+
 def grading_script(nonce: str, report_nonce: str, *, has_patch: bool, has_test_patch: bool, command: str,
                    timeout: float) -> str:
     """The whole grade as one bash script (root, in the container)."""
@@ -109,25 +132,7 @@ def grading_script(nonce: str, report_nonce: str, *, has_patch: bool, has_test_p
     else:
         run = f"env {TEST_ENV} bash -c {q(command)}"
         mode = "shell"
-    apply_block = ""
-    if has_patch:
-        tries = "\n".join(
-            f"  if [ -z \"$applied\" ]; then echo '>>>>> legorl: trying {name}'; "
-            f"if (cd /testbed && timeout -k 5 {APPLY_TIMEOUT_S} setpriv --reuid=$U --regid=$U --clear-groups "
-            f"{cmd.format(f='/tmp/.legorl-patch/patch.diff')}) 2>&1; "
-            f"then applied={q(name)}; else kill_user; reset_tree; fi; fi"
-            for name, cmd in APPLY_METHODS)
-        apply_block = f"""mkdir -p /tmp/.legorl-patch && cp $W/patch.diff /tmp/.legorl-patch/ && chmod 755 /tmp/.legorl-patch \\
-  && chmod 644 /tmp/.legorl-patch/patch.diff || {{ ev infra "cannot stage the patch"; exit 0; }}
-applied=
-{tries}
-kill_user
-rm -rf /tmp/.legorl-patch
-if [ -z "$applied" ]; then echo '>>>>> Patch Apply Failed'; ev apply_failed; exit 0; fi
-echo ">>>>> Applied Patch ($applied)"
-find /testbed -path /testbed/.git -prune -o \\( -name '*.rej' -o -name '*.orig' \\) -type f -newer $W/patch.diff -print0 \\
-  | xargs -0 -r rm -f --
-"""
+    apply_block = patch_apply_block("/testbed") if has_patch else ""
     test_patch_block = ""
     if has_test_patch:
         test_patch_block = ("(cd /testbed && git apply -v $W/test.diff) 2>&1 || "
