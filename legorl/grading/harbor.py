@@ -71,7 +71,9 @@ judge.Rules.why = lambda self, rel: None if _why(self, rel) == "new module outsi
 del sys.argv[2]
 judge.main()
 """
-_REFUSED = {"link": "a symbolic link", "hardlink": "a hard link", "special": "not a regular file"}
+_REFUSED = {"link": "a symbolic link", "hardlink": "a hard link", "special": "not a regular file",
+            "readonly": "not writable by test.sh (made read-only, so that test.sh's own write failed)"}
+_WRITE_FAILED = r": line [0-9]+: (/logs/verifier/)?reward\.(txt|json): "
 
 
 def harbor_script(nonce: str, *, workdir: str, command: str, timeout: float, has_patch: bool) -> str:
@@ -95,6 +97,7 @@ reset_tree() {{ find "$D" -mindepth 1 -maxdepth 1 -exec rm -rf {{}} + && cp -a $
 reward_file() {{ f=/logs/verifier/$1
   if [ -L "$f" ]; then ev "$1" link; elif [ -e "$f" ] && [ ! -f "$f" ]; then ev "$1" special
   elif [ -f "$f" ]; then if [ "$(stat -c %h "$f")" != 1 ]; then ev "$1" hardlink
+    elif ! as_user test -w "$f"; then ev "$1" readonly
     else ev "$1" "data:$(head -c {MAX_REWARD_BYTES + 1} "$f" | base64 -w0)"; fi; fi; }}
 export HOME=/nonexistent GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_CEILING_DIRECTORIES=/ \\
   GIT_TERMINAL_PROMPT=0
@@ -126,6 +129,9 @@ code=$?
 elapsed=$((SECONDS - t0))
 if survivors; then ev survivors; fi
 kill_user
+# bash's own error for a redirection test.sh could not open ("line 4: /logs/verifier/reward.txt: Too many
+# open files"): code under test lowered its limits or its access; whatever is in the file is not test.sh's
+if grep -aqE {q(_WRITE_FAILED)} $W/test.out; then ev reward_write_failed; fi
 head -c {MAX_TEST_OUTPUT} $W/test.out
 ev tests_end "$code $elapsed"
 if [ -L /logs/verifier ] || [ ! -d /logs/verifier ]; then ev reward_dir gone; else
@@ -139,6 +145,8 @@ def parse_reward(events: Events) -> tuple[float | None, str | None]:
     float, before reward.json; legorl's: finite, within [0, 1])."""
     if "reward_dir" in events:
         return None, "/logs/verifier is gone or was replaced"
+    if "reward_write_failed" in events:
+        return None, "test.sh could not write its reward file (its bash reported the redirection failing)"
     for name in REWARD_FILES:
         data = events.data(name)
         if not data:

@@ -70,15 +70,17 @@ def _calls_signature(msg: Message) -> list[tuple[Any, Any]]:
 def same_assistant_turn(held: Message, incoming: Message) -> bool:
     """Whether ``incoming`` is the harness's copy of the sampled assistant turn ``held``.
 
-    Tool-call ids are unique per reply, so equal ids decide; otherwise content (whitespace-trimmed)
-    and the calls' names and parsed arguments must agree.
+    Tool-call ids are unique per reply, so equal ids decide the content (a harness may drop the text
+    beside its calls); the calls' names and parsed arguments must still agree, or a client replaying
+    a sampled id with other arguments would have the policy conditioned on a call it never saw sent.
+    Otherwise content (whitespace-trimmed) and the calls' names and parsed arguments must agree.
     """
     if incoming.get("role") != "assistant":
         return False
     held_ids = [tc.get("id") for tc in held.get("tool_calls") or []]
     in_ids = [tc.get("id") for tc in incoming.get("tool_calls") or []]
     if held_ids and held_ids == in_ids:
-        return True
+        return _calls_signature(held) == _calls_signature(incoming)
     if (held.get("content") or "").strip() != (incoming.get("content") or "").strip():
         return False
     return _calls_signature(held) == _calls_signature(incoming)
