@@ -26,6 +26,8 @@ packing) and the packed one.
 
     python benchmarks/train.py [--groups 4] [--group-size 4] [--updates 3] [--threads 1] [--model DIR]
     python benchmarks/train.py --sweep [--quick] [--lengths 1024,4096,16384,32768] [--vocabs 8192,151936]
+        [--trainers legorl,trl] [--repeat 2] [--no-forks] [--timeout S] [--results FILE.jsonl]
+    python benchmarks/train.py --table FILE.jsonl [FILE.jsonl ...]
 """
 
 from __future__ import annotations
