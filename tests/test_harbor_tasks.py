@@ -18,6 +18,7 @@ import pytest
 from legorl import shards
 from legorl.grading.harbor import parse_reward
 from legorl.grading.script import Events
+from legorl.sandbox.host import podman_env
 from legorl.schemas import GradeRow, Kind, TaskRow
 from legorl.tasks.harbor import HarborTaskError, read_task, task_dirs
 
@@ -191,7 +192,7 @@ def test_import_builds_images_and_records_the_gold_patch(harbor_run: Path) -> No
         probe = subprocess.run(["podman", "run", "--rm", "--network", "none", task.image, "sh", "-c",
                                 "readlink /testbed; git -C /testbed rev-list --count HEAD; git -C /testbed status "
                                 "--porcelain | wc -l; ls -d /tests /solution /logs 2>&1 | grep -c 'No such'"],
-                               capture_output=True, text=True, timeout=300)
+                               capture_output=True, text=True, timeout=300, env=podman_env())
         assert probe.stdout.split() == ["/app", "1", "0", "3"], probe.stdout + probe.stderr
     assert "roman.py" in (tasks["roman-numerals"].patch or "") and "new file mode" in (tasks["roman-numerals"].patch or "")
     again = _legorl("tasks", "import", str(EXAMPLES / "roman-numerals"), "--run", str(harbor_run), "--json")
@@ -262,11 +263,15 @@ def test_a_trial_patch_from_testbed_grades(harbor_run: Path) -> None:
     assert (row.reward, row.status) == (1.0, "graded"), row.error
 
 
-# The grading script with one defence taken out (each replacement must change the script).
-WEAKENED = {
-    "late daemon": ("if survivors; then ev survivors; fi\nkill_user\n", "sleep 2\nkill_user\n"),
-    "reward link": ('if [ -L "$f" ]; then ev "$1" link; elif', "if false; then :; elif"),
-    "rewrite test.sh": ("chmod -R go-w,a+rX /tests", "chmod -R a+rwX /tests"),
+# The grading script with one defence taken out (each replacement must change the script). The
+# reward link (to a read-only file) makes test.sh's own write fail, so the checks that catch that
+# failure (the file not writable by the test user, bash's error) go with it.
+WEAKENED: dict[str, list[tuple[str, str]]] = {
+    "late daemon": [("if survivors; then ev survivors; fi\nkill_user\n", "sleep 2\nkill_user\n")],
+    "reward link": [('if [ -L "$f" ]; then ev "$1" link; elif', "if false; then :; elif"),
+                    ('elif ! as_user test -w "$f"; then ev "$1" readonly', "elif false; then :"),
+                    ("then ev reward_write_failed; fi", "then :; fi")],
+    "rewrite test.sh": [("chmod -R go-w,a+rX /tests", "chmod -R a+rwX /tests")],
 }
 
 
@@ -279,11 +284,13 @@ def test_each_defence_is_what_stops_its_attack(harbor_run: Path, monkeypatch: py
 
     task = next(t for t in shards.read_rows(harbor_run / "tasks", Kind.TASKS) if t.instance_id == "fix-fizzbuzz")
     original = harbor.harbor_script
-    for name, (old, new) in WEAKENED.items():
-        def weakened(*args: object, _old: str = old, _new: str = new, **kwargs: object) -> str:
+    for name, replacements in WEAKENED.items():
+        def weakened(*args: object, _replacements: list[tuple[str, str]] = replacements, **kwargs: object) -> str:
             script = original(*args, **kwargs)  # type: ignore[arg-type]
-            assert _old in script
-            return script.replace(_old, _new)
+            for old, new in _replacements:
+                assert old in script
+                script = script.replace(old, new)
+            return script
 
         monkeypatch.setattr(harbor, "harbor_script", weakened)
         row = Grader(GradeOptions()).grade(task, ATTACKS[name])

@@ -145,14 +145,15 @@ def parse_reward(events: Events) -> tuple[float | None, str | None]:
     float, before reward.json; legorl's: finite, within [0, 1])."""
     if "reward_dir" in events:
         return None, "/logs/verifier is gone or was replaced"
+    for name in REWARD_FILES:  # a planted file is named as such before the write it made fail
+        if events.data(name) in _REFUSED:
+            return None, f"/logs/verifier/{name} is {_REFUSED[events.data(name)]} (refused)"
     if "reward_write_failed" in events:
         return None, "test.sh could not write its reward file (its bash reported the redirection failing)"
     for name in REWARD_FILES:
         data = events.data(name)
         if not data:
             continue
-        if data in _REFUSED:
-            return None, f"/logs/verifier/{name} is {_REFUSED[data]} (refused)"
         try:
             raw = base64.b64decode(data.removeprefix("data:"), validate=True)
         except (binascii.Error, ValueError):
