@@ -71,6 +71,7 @@ class DemoConfig:
     model_size: str = "tiny"
     threads: int = 1  # torch intra-op threads: the other core runs podman (sandboxes, grading)
     dashboard: bool = True  # export the static dashboard at the end
+    max_staleness: int = 0  # the loop's --max-staleness: 1 overlaps step S+1's rollout with step S's training
 
 
     def __post_init__(self) -> None:
@@ -238,7 +239,7 @@ def run_loop(cfg: DemoConfig, model_dir: Path, on_record: Any = None) -> list[St
         train=TrainConfig(loss=cfg.loss, learning_rate=cfg.lr, num_iterations=cfg.num_iterations,  # type: ignore[arg-type]
                           temperature=cfg.temperature, seed=cfg.seed),
         model=model_dir, steps=cfg.steps, grade=GradeOptions(concurrency=cfg.grade_concurrency, test_timeout=60.0),
-        engine_name="demo-policy", max_context=2048,
+        engine_name="demo-policy", max_context=2048, max_staleness=cfg.max_staleness,
     )
     records: list[StepRecord] = []
 
