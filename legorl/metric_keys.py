@@ -25,6 +25,12 @@ IS_WEIGHT_MIN: Final = "is/weight_min"
 IS_WEIGHT_MAX: Final = "is/weight_max"
 IS_TRUNCATED_FRAC: Final = "is/truncated_frac"
 IS_ESS: Final = "is/ess"
+# The same per staleness level, each prefix followed by the lag ("is/ess/lag1"): over the sampled
+# tokens that lag that many policy versions behind the trained step (legorl.provenance; at sequence
+# level, the segments whose oldest token does). Tokens of unknown version are in the figures above only.
+IS_WEIGHT_MEAN_AT_LAG: Final = "is/weight_mean/lag"
+IS_TRUNCATED_FRAC_AT_LAG: Final = "is/truncated_frac/lag"
+IS_ESS_AT_LAG: Final = "is/ess/lag"
 
 # TRL's log entries legorl relies on, under TRL's names; CLIP_FRACTION is TRL's region clip ratio.
 LOSS: Final = "loss"

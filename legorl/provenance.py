@@ -40,6 +40,8 @@ TRIALS_DROPPED: Final = "staleness/trials_dropped"  # of those, left out of trai
 TOKENS_MASKED: Final = "staleness/tokens_masked"  # sampled tokens given no loss (mask)
 METRICS_STAGE: Final = "loop"  # the ``stage`` column of these rows
 
+UNKNOWN_VERSION: Final = -1  # a token's version in numeric arrays where it is None (versions are >= 0)
+
 
 @dataclass(frozen=True)
 class Staleness:
@@ -95,6 +97,18 @@ def lags(row: Any, step: int | None = None) -> list[int]:
     return [at - v for v in call_versions(row) if v is not None]
 
 
+def token_lags(row: Any, step: int | None = None) -> Counter[int]:
+    """How many sampled tokens of ``row`` lag by each number of versions behind ``step`` (default: the
+    row's own); tokens of unknown version are not counted. Counted from the calls (a call's sampled
+    tokens are its ``completion_tokens``), so it needs no segments."""
+    at = _get(row, "step") if step is None else step
+    found: Counter[int] = Counter()
+    for call in _sampled_calls(row):
+        if (version := _get(call, "policy_version")) is not None:
+            found[at - version] += _get(call, "completion_tokens")
+    return found
+
+
 def trial_lag(row: Any, step: int | None = None) -> int | None:
     """The lag of the trial's oldest versioned call (None: no call of it is versioned)."""
     found = lags(row, step)
@@ -121,23 +135,20 @@ def staleness_metrics(rows: Iterable[Any], step: int, bound: Staleness) -> dict[
     """The step's staleness figures: share of trials and of sampled tokens per lag, the largest lag, how
     many trials are stale and what the bound did with them (dropped, or their stale tokens masked)."""
     trial_lags: Counter[int] = Counter()
-    token_lags: Counter[int] = Counter()
-    unversioned = stale = masked = 0
+    tokens_at: Counter[int] = Counter()
+    unversioned = stale = 0
     for row in rows:
         lag = trial_lag(row, step)
         if lag is None:
             unversioned += 1
             continue
         trial_lags[lag] += 1
-        for versions in token_versions(row):
-            for v in versions:
-                if v is not None:
-                    token_lags[step - v] += 1
-                    masked += step - v > bound.max_staleness
+        tokens_at.update(token_lags(row, step))
         stale += lag > bound.max_staleness
-    trials, tokens = sum(trial_lags.values()), sum(token_lags.values())
+    trials, tokens = sum(trial_lags.values()), sum(tokens_at.values())
+    masked = sum(n for lag, n in tokens_at.items() if lag > bound.max_staleness)
     out: dict[str, float] = {TRIALS_AT_LAG + str(k): n / trials for k, n in sorted(trial_lags.items())}
-    out |= {TOKENS_AT_LAG + str(k): n / tokens for k, n in sorted(token_lags.items())}
+    out |= {TOKENS_AT_LAG + str(k): n / tokens for k, n in sorted(tokens_at.items())}
     out |= {
         MAX_LAG: float(max(trial_lags, default=0)),
         TRIALS_UNVERSIONED: float(unversioned),

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from monitor_runs import make_run, write_step
-from train_support import trained_run
+from train_support import stale_run, trained_run
 
 from legorl import metric_keys as mk
 from legorl import shards
@@ -195,5 +195,36 @@ def test_fidelity_panel_draws_a_real_training_run(browser: Any, tiny_model: Path
         for key, title, values in shown:
             assert title == mk.FIDELITY_PANEL[key] and values == [written[key]], key
         _shot(page, "fidelity-real-run.png", "#panel-fidelity")
+        assert not errors, errors
+        page.close()
+
+
+def test_staleness_panel_draws_a_real_training_run(browser: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """A step whose trials straddle a weight load, trained by the real train stage: the panel stacks the
+    rollouts' token lags and draws the trainer's per-lag ESS; a run without versions leaves it empty."""
+    run = stale_run(tmp_path / "run", tiny_model)
+    written = {r.key: r.value for r in shards.read_rows(run.metrics, Kind.METRICS) if r.harness is None}
+    with Server([run.root], poll_ms=300) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        errors = _errors(page)
+        page.goto(url)
+        page.wait_for_function("document.body.dataset.trials === '5'", timeout=20000)
+        assert page.locator("#panel-staleness").get_attribute("data-state") == "ready"
+        traces = page.evaluate("document.getElementById('chart-staleness').data.map(t => [t.name, t.x, t.y])")
+        assert traces == [["lag 0", [1], [round(10 / 44, 6)]], ["lag 1", [1], [round(34 / 44, 6)]],
+                          ["ESS lag 0", [1], [written[mk.IS_ESS_AT_LAG + "0"]]],
+                          ["ESS lag 1", [1], [written[mk.IS_ESS_AT_LAG + "1"]]]]
+        assert page.locator("#chart-staleness .barlayer .point").count() == 2
+        _shot(page, "staleness-real-run.png", "#panel-staleness")
+        assert not errors, errors
+        page.close()
+    unversioned = make_run(tmp_path / "old", steps=1, harnesses=("openhands",))
+    with Server([unversioned], poll_ms=300) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        errors = _errors(page)
+        page.goto(url)
+        page.wait_for_function("document.body.dataset.trials === '16'", timeout=20000)
+        assert page.locator("#panel-staleness").get_attribute("data-state") == "empty"
+        assert "records its policy version" in page.locator("#panel-staleness .empty-note").inner_text()
         assert not errors, errors
         page.close()

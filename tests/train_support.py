@@ -21,7 +21,7 @@ import torch
 from legorl import shards
 from legorl.paths import RunDir
 from legorl.routing import capture_routing, routing_shape
-from legorl.schemas import GradeRow, Kind, Outcome, Segment, TrialRow
+from legorl.schemas import Call, GradeRow, Kind, Outcome, Segment, TrialRow
 
 TOOL_TEXT = "\n<tool_response>\nOK: 3 passed\n</tool_response>\n"
 
@@ -35,6 +35,7 @@ class TrialSpec:
     grade_infra_error: bool = False
     harness: str = "mini"
     segments: int = 1  # >1: the same tokens split at the tool call into a fork segment
+    versions: tuple[int, int] | None = None  # policy version of each turn's call; None: no calls recorded
 
 
 @torch.no_grad()
@@ -98,8 +99,12 @@ def make_run(
     turns: tuple[int, int] = (6, 5),
     seed: int = 0,
     logprob_noise: float = 0.0,
+    stale_logprob_noise: float = 0.0,
 ) -> RunDir:
-    """Write rollouts (sampled from the model at ``model_dir``) and grades for ``specs``."""
+    """Write rollouts (sampled from the model at ``model_dir``) and grades for ``specs``.
+
+    A spec with ``versions`` records one call per turn, as the proxy does; ``stale_logprob_noise``
+    perturbs the logprobs of the turns a version older than ``step`` sampled (a stale policy's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -118,11 +123,20 @@ def make_run(
         ids, mask, logps, routing = sample_segment(model, prompt, tool, turns, gen)
         if logprob_noise:
             logps = [lp + float(rng.normal(0, logprob_noise)) if m else 0.0 for lp, m in zip(logps, mask, strict=True)]
+        starts = (len(prompt), len(prompt) + turns[0] + len(tool))
+        calls = []
+        for turn, version in enumerate(spec.versions or ()):
+            span = range(starts[turn], starts[turn] + turns[turn])
+            if version < step and stale_logprob_noise:
+                for i in span:
+                    logps[i] += float(rng.normal(0, stale_logprob_noise))
+            calls.append(Call(index=turn, api="openai", stream=False, segment=min(turn, spec.segments - 1),
+                              prompt_tokens=span.start, completion_tokens=len(span), policy_version=version))
         segments = _segments(ids, mask, logps, routing, spec.segments, len(prompt) + turns[0])
         trial = TrialRow.new(
             spec.task, spec.harness, step, spec.sample,
             outcome=Outcome.INFRA_ERROR if spec.infra_failure else Outcome.SUBMITTED,
-            infra_failure=spec.infra_failure, segments=segments, model=str(model_dir),
+            infra_failure=spec.infra_failure, segments=segments, calls=calls, model=str(model_dir),
         )
         trials.append(trial)
         if spec.infra_failure:
@@ -172,4 +186,28 @@ def trained_run(run_dir: Path, model_dir: Path, logprob_noise: float = 0.0, is_c
     specs += [TrialSpec("t2", i, r, harness="openhands") for i, r in enumerate([1.0, 0.0, 0.0])]
     run = make_run(run_dir, model_dir, specs, logprob_noise=logprob_noise)
     run_train(run.root, model_dir, None, TrainConfig(learning_rate=1e-4, is_cap=is_cap))
+    return run
+
+
+# A step of the overlapped loop (step 1, --max-staleness 1): each trial's first turn was sampled by
+# version 0 (one behind), its second by version 0 or 1 (two trials straddle the weight load, one of
+# them across a fork); one trial records no calls (an old shard: unknown versions).
+STALE_SPECS = [
+    TrialSpec("t1", 0, 1.0, versions=(0, 1)),
+    TrialSpec("t1", 1, 0.0, versions=(0, 0)),
+    TrialSpec("t1", 2, 0.0),
+    TrialSpec("t2", 0, 1.0, versions=(0, 1), segments=2),
+    TrialSpec("t2", 1, 0.0, versions=(0, 0)),
+]
+
+
+def stale_run(run_dir: Path, model_dir: Path, stale_logprob_noise: float = 2.0) -> RunDir:
+    """:data:`STALE_SPECS` at step 1, the stale turns' logprobs perturbed (a stale policy is not the
+    trainer's), trained one step by the real train stage: ``train/metrics/`` holds what `legorl train`
+    writes for a step whose tokens span two versions."""
+    from legorl.stages.train import run_train
+    from legorl.training.config import TrainConfig
+
+    run = make_run(run_dir, model_dir, STALE_SPECS, step=1, stale_logprob_noise=stale_logprob_noise)
+    run_train(run.root, model_dir, None, TrainConfig(learning_rate=1e-4))
     return run

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from legorl import shards
+from legorl import provenance, shards
 from legorl.errors import LegorlError
 from legorl.monitor.behaviour import TrialBehaviour, trial_behaviour
 from legorl.paths import RunDir
@@ -50,6 +50,7 @@ class TrialInfo:
     error: str | None
     patch: str | None
     behaviour: TrialBehaviour
+    token_lags: dict[int, int]  # sampled tokens per lag behind the trial's step (legorl.provenance.token_lags)
     file: Path
 
     @property
@@ -141,7 +142,7 @@ def summarise_rollout_file(path: Path) -> list[TrialInfo]:
                 trial_id=row.trial_id, task_id=row.task_id, harness=row.harness, step=row.step,
                 sample_index=row.sample_index, group_id=row.group_id, model=row.model, outcome=row.outcome,
                 infra_failure=bool(row.infra_failure), error=row.error, patch=row.patch,
-                behaviour=trial_behaviour(row, seg_counts), file=path,
+                behaviour=trial_behaviour(row, seg_counts), token_lags=dict(provenance.token_lags(row)), file=path,
             )
         )
     return out

@@ -128,6 +128,22 @@ def groups_by_step(snap: Snapshot) -> dict[str, list[Any]]:
     return out
 
 
+def token_lags_by_step(snap: Snapshot) -> dict[str, Any]:
+    """Per step: its sampled tokens of known policy version and the share of them that lag each number
+    of versions behind the step (:func:`legorl.provenance.token_lags`), over the trials training takes
+    (not rollout infrastructure failures), as the loop's ``staleness/tokens_lag/`` figures. Steps
+    without a versioned token are left out; lags are sorted."""
+    counts: dict[int, Counter[int]] = defaultdict(Counter)
+    for trial in snap.trials.values():
+        if trial.token_lags and not trial.infra_failure:
+            counts[trial.step].update(trial.token_lags)
+    steps = sorted(counts)
+    totals = [sum(counts[s].values()) for s in steps]
+    lags = sorted({lag for c in counts.values() for lag in c})
+    return {"steps": steps, "tokens": totals,
+            "shares": {str(lag): [_r(counts[s][lag] / n) for s, n in zip(steps, totals, strict=True)] for lag in lags}}
+
+
 def task_step_grid(snap: Snapshot) -> dict[str, Any]:
     """Solve rate per (task, step): rows are tasks (sorted), columns steps; None where not attempted."""
     acc: dict[tuple[str, int], list[bool]] = defaultdict(list)

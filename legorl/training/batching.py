@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
+from legorl.provenance import UNKNOWN_VERSION
 from legorl.training.data import StepData, TrainSequence
 
 
@@ -56,6 +57,7 @@ class Padded:
     loss_mask: torch.Tensor  # (B, C) 1 on sampled tokens
     rollout_logps: torch.Tensor  # (B, C)
     routing: torch.Tensor | None  # (B, P + C, layers, top_k), -1 on padding / unknown
+    versions: torch.Tensor  # (B, C) policy version of each sampled token, -1 on padding / unknown
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -76,6 +78,7 @@ def pad(seqs: Sequence[TrainSequence], pad_id: int) -> Padded:
     real = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.float32)
     logps = torch.zeros((n, width), dtype=torch.float32)
+    versions = torch.full((n, width), UNKNOWN_VERSION, dtype=torch.long)
     with_routing = [s.routed_experts for s in seqs if s.routed_experts is not None]
     routing = None
     if with_routing:
@@ -87,6 +90,8 @@ def pad(seqs: Sequence[TrainSequence], pad_id: int) -> Padded:
         real[i, :t] = 1
         mask[i, :t] = torch.from_numpy(s.loss_mask)
         logps[i, :t] = torch.from_numpy(s.logprobs)
+        if s.versions is not None:
+            versions[i, :t] = torch.from_numpy(s.versions)
         if routing is not None and s.routed_experts is not None:
             routing[i, :t] = torch.from_numpy(s.routed_experts.astype("int64"))
     return Padded(
@@ -96,6 +101,7 @@ def pad(seqs: Sequence[TrainSequence], pad_id: int) -> Padded:
         loss_mask=mask[:, cut:],
         rollout_logps=logps[:, cut:],
         routing=routing,
+        versions=versions[:, cut:],
     )
 
 
@@ -221,7 +227,7 @@ def _trim(piece: dict[str, object]) -> dict[str, object]:
     prompt = piece["prompt_ids"]
     assert isinstance(prompt, torch.Tensor)
     for key in ("completion_ids", "completion_mask", "tool_mask", "advantages", "old_per_token_logps",
-                "rollout_logps"):
+                "rollout_logps", "token_versions"):
         value = piece.get(key)
         if isinstance(value, torch.Tensor) and value.ndim == 2 and value.shape[1] == full:
             piece[key] = value[:, :used]

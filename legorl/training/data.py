@@ -1,7 +1,8 @@
 """From shards to training sequences: join rollouts with grades, drop infrastructure failures.
 
 One *trial* (a row of ``rollouts/``) becomes one or more *sequences*, one per segment, each with
-its own loss mask, rollout logprobs and routing. What is left out, and why:
+its own loss mask, rollout logprobs, routing and the policy version of each sampled token (when its
+calls record one: :mod:`legorl.provenance`). What is left out, and why:
 
 - trials marked ``infra_failure`` by the rollout stage, and trials whose grading failed for
   infrastructure reasons (``infra_failure`` / status ``infra_error`` / no reward): they leave their
@@ -51,6 +52,8 @@ class TrainSequence:
     logprobs: np.ndarray  # float32 [T], rollout logprobs (0 where the mask is 0)
     routed_experts: np.ndarray | None  # int16 [T, moe_layers, top_k]
     reward: float
+    versions: np.ndarray | None = None  # int64 [T], the policy version that sampled each token (-1: unknown
+    # or not sampled; legorl.provenance); None when no call of the trial records one
     advantage: float = 0.0
     scale: float = 1.0  # per-token weight factor of this segment (see weighting.py)
 
@@ -164,8 +167,11 @@ def load_step(
             trial_id=row["trial_id"], group_id=row["group_id"], harness=row["harness"],
             reward=float(grade["reward"]), resolved=bool(grade["resolved"]),
         )
+        versions = _token_versions(row)
         for index, seg in enumerate(row["segments"] or []):
             sequence = _sequence(row, trial, index, seg)
+            if versions is not None:
+                sequence.versions = versions[index]
             if masks is not None:
                 sequence.loss_mask = np.asarray(masks[index], dtype=sequence.loss_mask.dtype)
             if sequence.reason not in reasons:
@@ -194,6 +200,15 @@ def load_step(
     if not data.trials:
         raise LegorlError(f"{run.root}: step {step} has no trainable trials (dropped: {dict(data.dropped)})")
     return data
+
+
+def _token_versions(row: dict[str, Any]) -> list[np.ndarray] | None:
+    """Per segment, the version of each token (-1: unknown), or None when no call records one (old
+    shards: nothing to check, nothing to split by)."""
+    if all(v is None for v in provenance.call_versions(row)):
+        return None
+    return [np.array([provenance.UNKNOWN_VERSION if v is None else v for v in versions], dtype=np.int64)
+            for versions in provenance.token_versions(row)]
 
 
 def _sequence(row: dict[str, Any], trial: Trial, index: int, seg: dict[str, Any]) -> TrainSequence:

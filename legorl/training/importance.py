@@ -11,6 +11,11 @@ model before the update, the gradient is corrected by
 over the sampled tokens (mask 1). The weight multiplies the per-token advantage; because it is
 positive and detached that is the same loss as TRL's own vLLM correction (which multiplies the
 clipped per-token loss by it), so TRL's losses are reused unchanged.
+
+The figures of the weights (:class:`WeightStats`) are those of the whole batch and, under an overlapped
+loop, of each staleness level: the tokens sampled ``lag`` policy versions behind the trained step
+(:mod:`legorl.provenance`), a sequence-level weight counted at its segment's oldest token. Tokens of
+unknown version (shards from before versions) are in the whole-batch figures only.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from legorl import metric_keys as mk
+from legorl.provenance import UNKNOWN_VERSION
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,14 @@ class WeightStats:
             mk.IS_WEIGHT_MAX: self.max,
             mk.IS_TRUNCATED_FRAC: self.truncated,
             mk.IS_ESS: self.ess,
+        }
+
+    def at_lag(self, lag: int) -> dict[str, float]:
+        """The figures of one staleness level, under its keys ("is/ess/lag1")."""
+        return {
+            mk.IS_WEIGHT_MEAN_AT_LAG + str(lag): self.mean,
+            mk.IS_TRUNCATED_FRAC_AT_LAG + str(lag): self.truncated,
+            mk.IS_ESS_AT_LAG + str(lag): self.ess,
         }
 
 
@@ -72,3 +86,31 @@ def weight_stats(values: torch.Tensor, raw: torch.Tensor, cap: float) -> WeightS
         mean=float(v.mean()), min=float(v.min()), max=float(v.max()),
         truncated=float((raw > cap).double().mean()), ess=ess,
     )
+
+
+def value_versions(versions: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The policy version behind each value :func:`importance_weights` summarises, from the per-token
+    ``versions`` (B, T): the sampled token's, or at sequence level the segment's oldest known one
+    (:data:`UNKNOWN_VERSION` where none is known). As float, like every figure gathered across processes."""
+    versions = versions.float()
+    if level != "sequence":
+        return versions[mask > 0]
+    known = (mask > 0) & (versions != UNKNOWN_VERSION)
+    oldest = torch.where(known, versions, torch.full_like(versions, torch.inf)).amin(-1)
+    return torch.where(known.any(-1), oldest, torch.full_like(oldest, UNKNOWN_VERSION))
+
+
+def weight_stats_by_lag(
+    values: torch.Tensor, raw: torch.Tensor, versions: torch.Tensor, step: int, cap: float
+) -> dict[str, float]:
+    """:func:`weight_stats` per staleness level: over the values whose version (``versions``, one per
+    value, :func:`value_versions`) lags ``step - version`` behind the trained ``step``, one set of
+    figures per lag present; values of unknown version are left out."""
+    known = versions != UNKNOWN_VERSION
+    lags = step - versions[known].long()
+    values, raw = values[known], raw[known]
+    out: dict[str, float] = {}
+    for lag in sorted(set(lags.tolist())):
+        at = lags == lag
+        out |= weight_stats(values[at], raw[at], cap).at_lag(lag)
+    return out

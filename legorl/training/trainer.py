@@ -49,7 +49,7 @@ from legorl.training.batching import BatchTotals, GroupBatchSampler, micro_batch
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData, TrainSequence
 from legorl.training.distributed import gather_cat, sum_across
-from legorl.training.importance import importance_weights, weight_stats
+from legorl.training.importance import importance_weights, value_versions, weight_stats, weight_stats_by_lag
 from legorl.training.logprobs import sampled_logps
 from legorl.training.metrics import MetricsRecorder, fidelity, harness_split
 from legorl.training.packing import MIN_SHARED_PREFIX, Packed, pack, token_chunks
@@ -62,7 +62,7 @@ _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime", "train_samples_per_sec
 _NO_WORK = "legorl_no_work"
 # Marks a micro-batch whose old logprobs come from its own training forward (score_in_training_forward).
 _FROM_FORWARD = "legorl_old_from_forward"
-_HEALTH_VALUES = ("old", "rollout", "harness", "weight", "raw")
+_HEALTH_VALUES = ("old", "rollout", "harness", "weight", "raw", "version")
 
 
 def stored_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) -> list[float | None]:
@@ -227,7 +227,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
         harnesses = harness_split(s.harness for s in batch)
         output: dict[str, Any] = {}
         watch = RoutingWatch()
-        values = {name: torch.zeros(0, device=device) for name in ("old", "rollout", "harness", "weight", "raw")}
+        values = {name: torch.zeros(0, device=device) for name in _HEALTH_VALUES}
         if seqs:
             padded = pad(seqs, self.pad_id)
             input_ids = padded.input_ids.to(device)
@@ -239,6 +239,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
             mask = padded.loss_mask.to(device)
             fork_keys = self._fork_keys(seqs).to(device)
             rollout_logps = padded.rollout_logps.to(device)
+            versions = padded.versions.to(device)
             trial_advantage = torch.tensor([s.advantage * s.scale for s in seqs], dtype=torch.float32, device=device)
             if cfg.trl_loss_type == "grpo":
                 # TRL averages over sequences; a trial's segments were scaled to sum to one sequence, so
@@ -258,7 +259,8 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 output["routed_experts"] = routing
             if from_forward:
                 output.update({"trial_advantages": trial_advantage, "rollout_logps": rollout_logps,
-                               "harness_ids": torch.tensor(harness_of, device=device), _FROM_FORWARD: True})
+                               "harness_ids": torch.tensor(harness_of, device=device), "token_versions": versions,
+                               _FROM_FORWARD: True})
                 return output
             with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
                 old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing,
@@ -268,6 +270,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
             sampled = mask > 0
             values["old"], values["rollout"] = old_logps[sampled], rollout_logps[sampled]
             values["harness"] = torch.tensor(harness_of, device=device)[:, None].expand_as(mask)[sampled]
+            values["version"] = value_versions(versions, mask, cfg.importance_sampling)
             output.update({"advantages": trial_advantage[:, None] * weights, "old_per_token_logps": old_logps})
         if not from_forward:
             self._record_health(values, harnesses, watch, batch)
@@ -284,12 +287,13 @@ class SegmentGRPOTrainer(GRPOTrainer):
                                                   cfg.is_cap)
         inputs["advantages"] = inputs["trial_advantages"][:, None] * weights
         sampled = mask > 0
+        version = value_versions(inputs["token_versions"], mask, cfg.importance_sampling)
         if cfg.importance_sampling == "sequence":  # one weight per row: not the rows that only pad the piece
             trained = sampled.any(-1)
-            weight, raw = weight[trained], raw[trained]
+            weight, raw, version = weight[trained], raw[trained], version[trained]
         harness = inputs["harness_ids"][:, None].expand_as(mask)[sampled]
-        for name, value in zip(_HEALTH_VALUES, (old[sampled], inputs["rollout_logps"][sampled], harness, weight, raw),
-                               strict=True):
+        for name, value in zip(_HEALTH_VALUES, (old[sampled], inputs["rollout_logps"][sampled], harness, weight, raw,
+                                                version), strict=True):
             self._health_values[name].append(value)
 
     def _flush_health(self) -> None:
@@ -306,13 +310,16 @@ class SegmentGRPOTrainer(GRPOTrainer):
     def _record_health(
         self, local: dict[str, torch.Tensor], harnesses: list[str], watch: RoutingWatch, batch: list[TrainSequence]
     ) -> None:
-        """The fidelity, importance-weight and routing figures of the whole batch (every process's rows)."""
+        """The fidelity, importance-weight (also per staleness level) and routing figures of the whole batch
+        (every process's rows)."""
         cfg = self.train_config
         gathered = {name: gather_cat(self.accelerator, value) for name, value in local.items()}
         old, rollout = gathered["old"], gathered["rollout"]
         everywhere = torch.ones_like(old)
         self._record(fidelity(old, rollout, everywhere))
         self._record(weight_stats(gathered["weight"], gathered["raw"], cfg.is_cap).as_dict())
+        self._record(weight_stats_by_lag(gathered["weight"], gathered["raw"], gathered["version"], self.step_data.step,
+                                         cfg.is_cap))
         for index, harness in enumerate(harnesses):
             rows = gathered["harness"] == index
             self._record(fidelity(old[rows], rollout[rows], everywhere[rows]), harness)

@@ -52,11 +52,20 @@ def _trial_rows(snap: Snapshot) -> list[dict[str, Any]]:
     return rows
 
 
+def _by_lag(metrics: dict[str, dict[str, dict[str, list[Any]]]], prefix: str) -> dict[str, dict[str, list[Any]]]:
+    """The whole-batch series of a per-lag key (``prefix`` + lag), by lag in numeric order."""
+    found = {key.removeprefix(prefix): per["all"] for key, per in metrics.items()
+             if key.startswith(prefix) and key.removeprefix(prefix).lstrip("-").isdigit() and "all" in per}
+    return dict(sorted(found.items(), key=lambda kv: int(kv[0])))
+
+
 def overview(snap: Snapshot) -> dict[str, Any]:
     """Everything the panels plot, for one run."""
     metrics = stats.metric_series(snap)
     fidelity = {k: metrics[k] for k in FIDELITY_KEYS if k in metrics}
-    others = {k: v for k, v in metrics.items() if k not in fidelity}
+    ess_by_lag = _by_lag(metrics, mk.IS_ESS_AT_LAG)
+    shown = {*fidelity, *(mk.IS_ESS_AT_LAG + lag for lag in ess_by_lag)}
+    others = {k: v for k, v in metrics.items() if k not in shown}
     health = health_summary(snap)
     return {
         "run": {"name": snap.name, "fingerprint": snap.fingerprint},
@@ -68,6 +77,7 @@ def overview(snap: Snapshot) -> dict[str, Any]:
         "zero_variance_metric": metrics.get(mk.ZERO_VARIANCE_SHARE),
         "fidelity": fidelity,
         "fidelity_help": {k: mk.FIDELITY_PANEL[k] for k in fidelity},
+        "staleness": {**stats.token_lags_by_step(snap), "ess": ess_by_lag},  # token lags from the rollouts
         "other_metrics": others,
         "behaviour": _behaviour_series(snap),
         "behaviour_help": behaviour.METRICS,

@@ -179,6 +179,25 @@ function renderFidelity(ov) {
   for (const [k] of entries) { const d = $(`sm-fidelity-charts-${k}`); if (d) d.title = ov.fidelity_help[k] || k; }
 }
 
+function renderStaleness(ov) {
+  // Stacked bars: share of each step's sampled tokens per lag; dotted lines: the trainer's ESS per lag.
+  const st = ov.staleness;
+  const lagColor = (lag) => PALETTE[Math.abs(Number(lag)) % PALETTE.length];
+  const traces = Object.entries(st.shares).map(([lag, shares]) => ({
+    type: "bar", name: `lag ${lag}`, x: st.steps, y: shares, customdata: st.tokens, marker: { color: lagColor(lag), opacity: 0.5 },
+    hovertemplate: "step %{x}: %{y:.1%} of %{customdata} sampled tokens<extra>lag " + esc(lag) + "</extra>",
+  }));
+  for (const [lag, s] of Object.entries(st.ess)) {
+    traces.push({ name: `ESS lag ${lag}`, x: s.steps, y: s.values, yaxis: "y2", mode: "lines+markers",
+      line: { color: lagColor(lag), dash: "dot", width: 2 }, marker: { size: 9, line: { color: "#1d2330", width: 1.5 } }, hovertemplate: "step %{x}: ESS %{y:.3f}<extra>lag " + esc(lag) + "</extra>" });
+  }
+  setPanel("panel-staleness", traces.length > 0, "No call records its policy version (rollouts from before versions, or no rollouts yet).");
+  plot("chart-staleness", traces, baseLayout({
+    barmode: "stack", margin: { l: 60, r: 60, t: 36, b: 40 }, yaxis: { title: { text: "share of sampled tokens" }, range: [0, 1.05], tickformat: ".0%", gridcolor: "#eceff4" },
+    yaxis2: { title: { text: "ESS (normalised)" }, overlaying: "y", side: "right", range: [0, 1.05], showgrid: false },
+  }));
+}
+
 function renderBehaviour(ov) {
   const entries = Object.entries(ov.behaviour).filter(([, per]) => Object.values(per).some((s) => s.values.some((v) => v !== null)));
   setPanel("panel-behaviour", entries.length > 0, "No trajectories yet.");
@@ -500,7 +519,7 @@ function renderAll() {
   const ov = state.overviews[0];
   $("run-name").textContent = state.runs.map((r) => r.name).join(" vs ");
   document.title = `legorl · ${state.runs[0].name}`;
-  const panels = [renderCounts, renderReward, renderOutcomes, renderGroups, renderGrid, renderFidelity, renderBehaviour, renderEval, renderCost];
+  const panels = [renderCounts, renderReward, renderOutcomes, renderGroups, renderGrid, renderFidelity, renderStaleness, renderBehaviour, renderEval, renderCost];
   for (const fn of panels) {
     try { fn(ov); } catch (err) { console.error(fn.name, err); }
   }
