@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,19 @@ def _errors(page: Any) -> list[str]:
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "favicon" not in m.text else None)
     return errors
+
+
+@contextmanager
+def _served_page(browser: Any, root: Path, trials: int) -> Iterator[Any]:
+    """A page on the live server of one run, once it shows ``trials`` trials; no page error by the end."""
+    with Server([root], poll_ms=300) as url:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        errors = _errors(page)
+        page.goto(url)
+        page.wait_for_function(f"document.body.dataset.trials === '{trials}'", timeout=20000)
+        yield page
+        assert not errors, errors
+        page.close()
 
 
 def _check_panels(page: Any) -> None:
@@ -181,11 +195,7 @@ def test_fidelity_panel_draws_a_real_training_run(browser: Any, tiny_model: Path
     """The metrics of a real `legorl train` step, not hand-written ones, reach the fidelity charts."""
     run = trained_run(tmp_path / "run", tiny_model)
     written = {r.key: r.value for r in shards.read_rows(run.metrics, Kind.METRICS) if r.harness is None}
-    with Server([run.root], poll_ms=300) as url:
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        errors = _errors(page)
-        page.goto(url)
-        page.wait_for_function("document.body.dataset.trials === '5'", timeout=20000)
+    with _served_page(browser, run.root, 5) as page:
         assert page.locator("#panel-fidelity").get_attribute("data-state") == "ready"
         shown = page.evaluate(
             "Array.from(document.querySelectorAll('#fidelity-charts .small')).map(d => "
@@ -195,8 +205,6 @@ def test_fidelity_panel_draws_a_real_training_run(browser: Any, tiny_model: Path
         for key, title, values in shown:
             assert title == mk.FIDELITY_PANEL[key] and values == [written[key]], key
         _shot(page, "fidelity-real-run.png", "#panel-fidelity")
-        assert not errors, errors
-        page.close()
 
 
 def test_staleness_panel_draws_a_real_training_run(browser: Any, tiny_model: Path, tmp_path: Path) -> None:
@@ -204,11 +212,7 @@ def test_staleness_panel_draws_a_real_training_run(browser: Any, tiny_model: Pat
     rollouts' token lags and draws the trainer's per-lag ESS; a run without versions leaves it empty."""
     run = stale_run(tmp_path / "run", tiny_model)
     written = {r.key: r.value for r in shards.read_rows(run.metrics, Kind.METRICS) if r.harness is None}
-    with Server([run.root], poll_ms=300) as url:
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        errors = _errors(page)
-        page.goto(url)
-        page.wait_for_function("document.body.dataset.trials === '5'", timeout=20000)
+    with _served_page(browser, run.root, 5) as page:
         assert page.locator("#panel-staleness").get_attribute("data-state") == "ready"
         traces = page.evaluate("document.getElementById('chart-staleness').data.map(t => [t.name, t.x, t.y])")
         assert traces == [["lag 0", [1], [round(10 / 44, 6)]], ["lag 1", [1], [round(34 / 44, 6)]],
@@ -216,15 +220,7 @@ def test_staleness_panel_draws_a_real_training_run(browser: Any, tiny_model: Pat
                           ["ESS lag 1", [1], [written[mk.IS_ESS_AT_LAG + "1"]]]]
         assert page.locator("#chart-staleness .barlayer .point").count() == 2
         _shot(page, "staleness-real-run.png", "#panel-staleness")
-        assert not errors, errors
-        page.close()
     unversioned = make_run(tmp_path / "old", steps=1, harnesses=("openhands",))
-    with Server([unversioned], poll_ms=300) as url:
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        errors = _errors(page)
-        page.goto(url)
-        page.wait_for_function("document.body.dataset.trials === '16'", timeout=20000)
+    with _served_page(browser, unversioned, 16) as page:
         assert page.locator("#panel-staleness").get_attribute("data-state") == "empty"
         assert "records its policy version" in page.locator("#panel-staleness .empty-note").inner_text()
-        assert not errors, errors
-        page.close()
