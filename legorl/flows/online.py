@@ -6,8 +6,8 @@ run directory with their ``step``.
 
 ``max_staleness`` K = 0 (the default) is synchronous: the trials of step S are sampled by the
 policy trained on steps < S, and training step S uses only them, so the rollout policy is never
-stale. K >= 1 overlaps the two: a background thread rolls out and grades steps S+1 … S+K (through
-the same stages and shards) while step S trains, and the engine loads each checkpoint as soon as
+stale. K >= 1 overlaps them: background threads roll out and grade steps S+1 … S+K (through the
+same stages and shards; step T's grading overlaps step T + 1's rollout) while step S trains, and the engine loads each checkpoint as soon as
 it exists, between calls, so a trial in flight may span two versions. Step T's rollout starts once
 the engine serves version T - K, so every call of it is at most K versions behind the step that
 trains it; the trainer is held to that bound anyway (:mod:`legorl.provenance`; ``stale_tokens``
@@ -197,18 +197,23 @@ class _Rolled:
 
 
 class _Ahead:
-    """The background thread that rolls out and grades step T once the engine serves version T - K."""
+    """The background threads: one rolls out step T once the engine serves version T - K, the other
+    grades each rolled-out step in turn, so step T's grading overlaps step T + 1's rollout."""
 
     def __init__(self, cfg: OnlineConfig, run: RunDir, served: Policy):
         self.cfg, self.run, self.served = cfg, run, served
+        self.rolled: dict[int, tuple[int, float]] = {}  # step -> (new trials, rollout seconds), to grade
         self.done: dict[int, _Rolled] = {}
         self.error: BaseException | None = None
         self.stopping = False
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._work, name="legorl-rollouts-ahead", daemon=True)
+        self._threads = [threading.Thread(target=self._guarded, args=(work,), name=f"legorl-{name}-ahead",
+                                          daemon=True)
+                         for name, work in (("rollouts", self._roll_out), ("grades", self._grade))]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def loaded(self) -> None:
         """The engine serves a new version: a step waiting for it may start."""
@@ -216,7 +221,7 @@ class _Ahead:
             self._cv.notify_all()
 
     def wait(self, step: int) -> _Rolled:
-        """Block until ``step`` is rolled out and graded (re-raising the thread's failure)."""
+        """Block until ``step`` is rolled out and graded (re-raising the threads' failure)."""
         with self._cv:
             while step not in self.done and self.error is None:
                 self._cv.wait()
@@ -230,30 +235,47 @@ class _Ahead:
             self.stopping = True
             self._cv.notify_all()
         if wait:
-            self._thread.join()
+            for thread in self._threads:
+                thread.join()
 
     def _version(self) -> int:
         assert self.served.engine is not None
         return self.served.engine.policy_version
 
-    def _work(self) -> None:
+    def _guarded(self, work: Callable[[], None]) -> None:
         try:
-            for step in range(self.cfg.steps):
-                with self._cv:
-                    while self._version() < step - self.cfg.max_staleness and not self.stopping:
-                        self._cv.wait()
-                    if self.stopping:
-                        return
-                t0 = time.perf_counter()
-                rolled = rollout_stage(replace(self.cfg.rollout, step=step), self.served.proxy)
-                t1 = time.perf_counter()
-                graded = _grade(self.cfg, self.run, step)
-                with self._cv:
-                    self.done[step] = _Rolled(rolled, graded, t1 - t0, time.perf_counter() - t1)
-                    self._cv.notify_all()
+            work()
         except BaseException as exc:  # handed to the training thread, which reports it
             with self._cv:
                 self.error = exc
+                self.stopping = True
+                self._cv.notify_all()
+
+    def _roll_out(self) -> None:
+        for step in range(self.cfg.steps):
+            with self._cv:
+                while self._version() < step - self.cfg.max_staleness and not self.stopping:
+                    self._cv.wait()
+                if self.stopping:
+                    return
+            t0 = time.perf_counter()
+            rolled = rollout_stage(replace(self.cfg.rollout, step=step), self.served.proxy)
+            with self._cv:
+                self.rolled[step] = (len(rolled.rows), time.perf_counter() - t0)
+                self._cv.notify_all()
+
+    def _grade(self) -> None:
+        for step in range(self.cfg.steps):
+            with self._cv:
+                while step not in self.rolled and not self.stopping:
+                    self._cv.wait()
+                if self.stopping:
+                    return
+                new_trials, rollout_s = self.rolled.pop(step)
+            t0 = time.perf_counter()
+            graded = _grade(self.cfg, self.run, step)
+            with self._cv:
+                self.done[step] = _Rolled(new_trials, graded, rollout_s, time.perf_counter() - t0)
                 self._cv.notify_all()
 
 
