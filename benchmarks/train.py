@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -282,6 +283,17 @@ def _deadline(probe: PhasePeaks, seconds: float) -> None:
     os._exit(0)
 
 
+def _out_of_memory(probe: PhasePeaks, error: str) -> dict[str, Any]:
+    """A run that hit the address-space cap: its peak so far, the RSS when the allocation failed and
+    the allocation's size (torch names it), so ``needs_gb`` (RSS + request) bounds its peak from below."""
+    probe.mark("oom")
+    rss = probe.rss["oom"]
+    found = re.search(r"allocate (\d+) bytes", error)
+    requested = int(found.group(1)) / 1e9 if found else 0.0
+    return {"oom": True, "error": error[:300], "peak_gb": max(probe.peak.values()), "phases": probe.peak,
+            "rss_gb": rss, "requested_gb": requested, "needs_gb": rss + requested}
+
+
 def child(spec: dict[str, Any]) -> None:
     """One measured run (its own process, so its peak is its own); prints one JSON line."""
     cap = int(spec["mem_cap_gb"] * 1e9)
@@ -301,7 +313,7 @@ def child(spec: dict[str, Any]) -> None:
         except (MemoryError, RuntimeError) as e:
             if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
                 raise
-            print(json.dumps({"oom": True, "error": str(e)[:200]}))
+            print(json.dumps(_out_of_memory(probe, str(e))))
             return
     probe.mark("end")
     # Not ru_maxrss: resetting VmHWM resets it too; the whole-process peak is the highest phase's.
@@ -353,6 +365,9 @@ def _row(r: dict[str, Any]) -> str:
     name = spec.get("label") or spec["trainer"]
     if "wall" not in r:
         what = "OOM" if r.get("oom") else f"error {r.get('error')}"
+        if r.get("needs_gb"):
+            what = (f"out of memory under the {spec['mem_cap_gb']:g} GB cap: {r['rss_gb']:.2f} GB resident, "
+                    f"asked for {r['requested_gb']:.2f} GB more (needs >= {r['needs_gb']:.2f})")
         if r.get("timeout"):
             what = "timeout" + (f", peak so far {r['peak_gb']:.2f}" if "peak_gb" in r else "")
         return f"| {point} | {name} | {what} |" + " |" * 8
@@ -364,6 +379,9 @@ def _row(r: dict[str, Any]) -> str:
 
 
 def _ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    if "wall" in ours and theirs.get("needs_gb"):
+        return (f"peak >= {theirs['needs_gb'] / ours['peak_gb']:.1f}x less (the other ran out of memory; "
+                "its update did not complete)")
     if not all("wall" in r for r in (ours, theirs)):
         return "-"
     speed = (ours["tokens"] / ours["wall"]) / (theirs["tokens"] / theirs["wall"])
