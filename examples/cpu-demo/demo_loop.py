@@ -50,10 +50,10 @@ class DemoConfig:
     harness: str = "mini-swe-agent"  # unmodified, driven by harness_config; or simple (legorl's driver)
     harness_config: Path | None = None  # default for mini-swe-agent: mini-swe-agent.yaml here
     # Defaults = the setting measured in examples/cpu-demo/README.md.
-    steps: int = 8
+    steps: int = 12
     tasks: int = 8  # tasks rolled out every step
     samples: int = 4  # attempts per task per step (the GRPO group size)
-    heldout: int = 24  # held-out tasks evaluated before and after (one greedy attempt each)
+    heldout: int = 48  # held-out tasks evaluated before and after (one greedy attempt each)
     warmup_steps: int = 150  # format warm-up (SFT) steps
     warmup_tasks: int = 2000
     warmup_lr: float = 3e-3
