@@ -7,8 +7,9 @@ run directory with their ``step``.
 ``max_staleness`` K = 0 (the default) is synchronous: the trials of step S are sampled by the
 policy trained on steps < S, and training step S uses only them, so the rollout policy is never
 stale. K >= 1 overlaps them: background threads roll out and grade steps S+1 … S+K (through the
-same stages and shards; step T's grading overlaps step T + 1's rollout) while step S trains, and the engine loads each checkpoint as soon as
-it exists, between calls, so a trial in flight may span two versions. Step T's rollout starts once
+same stages and shards; step T's grading overlaps step T + 1's rollout) while step S trains, and
+the engine loads each checkpoint as soon as it exists, between calls, so a trial in flight may span
+two versions. Step T's rollout starts once
 the engine serves version T - K, so every call of it is at most K versions behind the step that
 trains it; the trainer is held to that bound anyway (:mod:`legorl.provenance`; ``stale_tokens``
 says what a stale trial gets) and the loop writes each step's staleness figures to
