@@ -91,7 +91,8 @@ class GradeStatus(StrEnum):
     PATCH_APPLY_FAILED = "patch_apply_failed"
     TEST_TIMEOUT = "test_timeout"
     TESTS_ERRORED = "tests_errored"  # the test run broke after the patch went in (crash, kill, no report)
-    SUSPICIOUS = "suspicious"  # the tests passed, but the patch's code reaches into the test runner
+    SUSPICIOUS = "suspicious"  # the tests passed, but the patch's code reaches into the test runner (no canaries)
+    TAMPERED = "tampered"  # the tests passed, and so did a canary: a test every honest patch fails
     INFRA_ERROR = "infra_error"
 
 
@@ -362,6 +363,7 @@ class GradeRow(_Row):
     dropped_paths: list[str] = field(default_factory=list)
     apply_method: str | None = None
     suspicious: list[str] = field(default_factory=list)
+    canaries: list[str] = field(default_factory=list)
     control: str | None = None
     confirmed: bool | None = None  # --confirm: did a fresh rerun reproduce the pass (see GRADES_SCHEMA)
     duration_s: float | None = None

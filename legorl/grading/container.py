@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import shlex
 import subprocess
 import tarfile
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from legorl.grading.grader import GradeOptions
 
 DEFAULT_PYTEST = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
+CANARY_P2P = 4  # PASS_TO_PASS tests a canary run mutates besides every FAIL_TO_PASS test
 INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
 _UNPACK = "tar -x -i --no-same-owner -C / -f - && exec bash /tmp/.legorl-grade/script.sh"
 
@@ -49,6 +51,16 @@ def hidden_test_files(test_patch: str | None) -> list[str]:
     return [fp.new_path for fp in split_patch(test_patch or "") if fp.new_path and fp.new_path.endswith(".py")]
 
 
+def canary_tests(task: TaskRow, seed: str | None) -> list[str]:
+    """The tests a canary run mutates: every FAIL_TO_PASS test, and a few PASS_TO_PASS tests drawn by
+    the seed (each canary that fails costs its failure's report; a few catch a blanket forgery as well)."""
+    if seed is None:
+        return []
+    rng = random.Random(seed)
+    p2p = sorted(task.PASS_TO_PASS)
+    return [*task.FAIL_TO_PASS, *rng.sample(p2p, min(len(p2p), CANARY_P2P))]
+
+
 @dataclass
 class Run:
     """One grading container's run, read back through its event lines."""
@@ -59,6 +71,7 @@ class Run:
     report: dict[str, object] | None
     judged: dict[str, object] | None
     mode: str  # "runner" (the report counts) or "shell" (a custom command: its pytest log counts)
+    canaries: dict[str, object] | None = None  # what the canary writer said (:mod:`.sandboxed.canary`)
 
     def failure(self, report_nonce: str) -> str | None:
         """Why the test run did not produce trustworthy results (None: it did)."""
@@ -70,6 +83,8 @@ class Run:
             return f"the patched tree could not be judged: {ev['judge_failed']}"
         if "test_patch_failed" in ev:
             return "the hidden tests could not be put in place on the patched tree"
+        if "canary_failed" in ev:
+            return f"the hidden tests could not be written: {ev['canary_failed']}"
         if "tests_end" not in ev:
             return (f"the grading script stopped during the tests (exit {self.result.exit_code}"
                     f"{', timed out' if self.result.timed_out else ''})")
@@ -82,14 +97,24 @@ class Run:
             return f"the test runner wrote no report (exit {code})"
         if self.report.get("nonce") != report_nonce:
             return "the test report does not carry this grade's nonce"
-        tampered = self.report.get("tampered")
-        if tampered:
-            return f"the code under test rewired the test runner ({', '.join(map(str, tampered))[:300]})"  # type: ignore[call-overload]
         if self.report.get("exitstatus") != code:
             return f"the test process exited {code} but pytest's session ended with {self.report.get('exitstatus')}"
         if code not in (0, 1, 2):  # 2: collection errors; 3 internal error, 4 usage error, 5 no tests
             return f"pytest could not run the tests (exit {code})"
         return None
+
+    @property
+    def runner_findings(self) -> list[str]:
+        """What the runner's in-process tripwires saw (evidence for the row, never a verdict: the code
+        under test shares that process and can blind them)."""
+        found = (self.report or {}).get("tampered") or []
+        return [f"runner: {str(f)[:300]}" for f in found][:20] if isinstance(found, list) else []
+
+    @property
+    def mutated(self) -> dict[str, str]:
+        """The tests a canary run mutated (test name -> file:line); empty in an ordinary run."""
+        found = (self.canaries or {}).get("mutated")
+        return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
 
     @property
     def tests_exit_code(self) -> int | None:
@@ -177,12 +202,19 @@ class GradingContainers:
             command = command.replace("{test_files}", " ".join(shlex.quote(f) for f in files))
         return command
 
-    def run(self, task: TaskRow, patch: str) -> tuple[Run, str]:
-        """Grade ``patch`` in a fresh container; the run and the nonce its test report must carry."""
+    def run(self, task: TaskRow, patch: str, canary_seed: str | None = None,
+            deadline_s: float | None = None) -> tuple[Run, str]:
+        """Grade ``patch`` in a fresh container; the run and the nonce its test report must carry.
+
+        ``canary_seed``: a canary run (the listed tests' expected values mutated). ``deadline_s``: the
+        host stops the container after this long (a canary run's bound, from its ordinary run: the
+        script inside keeps the ordinary timeout, so nothing the test user can see differs)."""
         command = self.command_for(task)
         files, nonce, report_nonce = grade_files(patch=patch, test_patch=task.test_patch or "",
                                                  hidden=touched_paths(task.test_patch), command=command,
-                                                 timeout=self.options.test_timeout, gold=touched_paths(task.patch))
+                                                 timeout=self.options.test_timeout, gold=touched_paths(task.patch),
+                                                 tests=canary_tests(task, canary_seed),
+                                                 canary_seed=canary_seed)
         own_testbed = bool(task.repo_source)
         spec = SandboxSpec(
             image=self.image_for(task), labels={"role": "grade", **self.options.labels},
@@ -193,6 +225,8 @@ class GradingContainers:
         )
         stdin = (self._testbed_tar(task) if own_testbed else b"") + bundle(files)
         timeout = self.options.test_timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
+        if deadline_s is not None:
+            timeout = min(timeout, deadline_s)
         if self._run_once is not None:
             res = self._run_once(spec, ["sh", "-c", _UNPACK], stdin=stdin, timeout=timeout)
         else:
@@ -206,8 +240,10 @@ class GradingContainers:
         if "judge_failed" in events:  # the judge's own last words (stderr), for the row
             last = events.decoded("judge_failed").strip().splitlines()
             events.seen["judge_failed"] = last[-1][:300] if last else "the judge crashed"
+        if "canary_failed" in events:
+            events.seen["canary_failed"] = events.decoded("canary_failed").strip()[-300:]
         run = Run(res, events.seen, events.test_output, _json(events.decoded("report")), _json(events.decoded("judged")),
-                  mode)
+                  mode, _json(events.decoded("canaries")))
         return run, report_nonce
 
     def _head(self, task: TaskRow) -> frozenset[str]:

@@ -10,7 +10,14 @@ changes prints. So the grader
   as that user, and takes each test's status from the runner's report, read by root after every
   process of that user is dead, never from the log;
 - judges each test against the status the gold patch reaches (:mod:`.report`);
-- scores a pass whose code reaches into the runner or the interpreter as ``suspicious``, 0;
+- trusts a pass only when a **canary run** agrees: the same patch in a second fresh container, the
+  same in everything the test process can see except that the listed tests' expected values are
+  mutated (:mod:`.sandboxed.canary`). The gold patch fails those canaries; so does every honest
+  patch. A patch whose code makes a canary pass has forged the run (``tampered``, 0), however it did
+  it — the code under test runs in the test process and can rewire anything there, so what it
+  reports is a claim, and the canaries are what check the claim. The runner's in-process checks and
+  the judge's screen are tripwires: evidence on the row (``suspicious``), deciding nothing where
+  the task has canaries (where it has none, a pass they flag scores 0 as ``suspicious``);
 - labels a grade infrastructure only from signals outside the patch's reach: a failure before the
   patch went in (image, container, testbed), or a failure after it that a **control run** (the
   gold patch, else the empty one, in the same conditions) repeats. Any other failure after the
@@ -23,9 +30,12 @@ Whatever a patch holds, ``grade`` returns a row: one bad patch never stops a sta
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import hmac
 import json
 import os
+import secrets
 import subprocess
 import threading
 import time
@@ -35,17 +45,20 @@ from dataclasses import dataclass, field
 from legorl.errors import ConfigError, LegorlError
 from legorl.fingerprints import grade_fingerprint
 from legorl.grading import harbor
-from legorl.grading.container import GradingContainers, GradingInfraError
+from legorl.grading.container import GradingContainers, GradingInfraError, canary_tests
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
-from legorl.grading.report import evaluate, failed_report
+from legorl.grading.report import F2P, P2P, evaluate, failed_report, reaches
 from legorl.grading.script import SANDBOXED_DIGEST
 from legorl.paths import cache_dir
 from legorl.sandbox.base import MAX_PATCH_BYTES, Sandbox, SandboxSpec
 from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
 
-GRADER_VERSION = "2"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
+GRADER_VERSION = "3"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
 MAX_LOG_CHARS = 200_000
 CONTROL_TTL_S = 600.0  # a control run that graded normally vouches for its task this long
+FAILING = frozenset({"FAILED", "ERROR"})  # what a canary must be in every patch's canary run
+# A canary run does the same work as the ordinary run it checks: the host gives it this much of that run's time.
+CANARY_TIME_FACTOR, CANARY_TIME_SLACK_S = 2.0, 60.0
 
 
 @dataclass
@@ -62,9 +75,13 @@ class GradeOptions:
     confirm: bool = field(default=False, metadata={"help": (
         "Re-run a grade of 1 in a fresh container before trusting it: a pass the rerun does not reproduce "
         "scores 0 (confirmed false); a rerun that fails as infrastructure makes the grade infrastructure.")})
+    canaries: bool = field(default=True, metadata={"help": (
+        "Check every pass with a canary run (the same patch, the listed tests' expected values mutated): a "
+        "patch that passes a canary forged the run (tampered, 0). Off: only the in-process tripwires stand.")})
     labels: dict[str, str] = field(default_factory=dict)
     run_empty: bool = False  # also run the tests for an empty patch (task validation)
-    suspicious_scores_zero: bool = True  # False: a suspicious pass keeps its reward (findings still recorded)
+    # Where no canary run checks a pass: False lets a pass the tripwires flag keep its reward (findings still recorded)
+    suspicious_scores_zero: bool = True
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -101,6 +118,7 @@ class Grader:
         self._lock = threading.Lock()
         self._references: dict[str, TestStatuses] = {}
         self._controls: dict[str, tuple[float, str]] = {}
+        self._canary_refs: dict[str, dict[str, str]] = {}
 
     # ------------------------------------------------------------------ the verdict
 
@@ -195,6 +213,7 @@ class Grader:
             reset = [r for r in run.judged.get("reset", []) if isinstance(r, list) and len(r) == 2]  # type: ignore[attr-defined]
             out.dropped_paths = sorted({str(path) for path, _why in reset})
             out.suspicious = [str(s) for s in run.judged.get("suspicious", [])][:50]  # type: ignore[attr-defined]
+        out.suspicious += run.runner_findings
         failure = run.failure(report_nonce)
         if failure is not None:
             control = self._control(task)
@@ -217,9 +236,106 @@ class Grader:
                        "failing test", task)
             return
         out.reward, out.resolved, out.resolution = report.reward, report.resolved, report.resolution
-        if report.resolved and out.suspicious and self.options.suspicious_scores_zero:
+        if not report.resolved:
+            return
+        checked = self.options.canaries and self._canary_check(task, text, out, run.result.duration_s)
+        if not checked and out.suspicious and self.options.suspicious_scores_zero:
             out.status, out.reward, out.resolved, out.resolution = GradeStatus.SUSPICIOUS, 0.0, False, Resolution.NO
             out.error = f"the tests passed, but the patch's code reaches into the test runner ({out.suspicious[0]})"
+
+    # ------------------------------------------------------------------ the canary run
+
+    def _canary_check(self, task: TaskRow, patch: str, out: GradeRow, spent_s: float) -> bool:
+        """Check a pass with a canary run; False when the task has no canary (nothing was checked).
+
+        The canary run is this patch again in a fresh container, the listed tests' expected values
+        mutated by a seed the container's test user never sees. The gold patch's canary run says
+        which tests the mutations make fail (the canaries). Here each canary must fail (else
+        ``tampered``), and every other listed test must reach what it reaches in the gold canary
+        run (else the pass did not reproduce). A canary run that breaks is judged as any run after
+        the patch went in: the patch's doing unless the control run fails too."""
+        seed = self.canary_seed(task)
+        gold = self.canary_reference(task, seed)
+        plain = self.reference(task)
+        live = sorted(n for n, st in gold.items() if st in FAILING
+                      and (plain is None or (plain.status(n) or "MISSING") not in FAILING))
+        if not live:
+            return False
+        run, nonce = self.containers.run(task, patch, canary_seed=seed,
+                                         deadline_s=CANARY_TIME_FACTOR * spent_s + CANARY_TIME_SLACK_S)
+        if "ready" not in run.events:
+            raise GradingInfraError(run.before_patch_error())
+        failure = run.failure(nonce)
+        if failure is None and run.tests_exit_code in (124, 137):
+            failure = "the canary run's tests timed out"
+        if failure is not None:
+            failure = f"the canary run: {failure}"
+            control = self._control(task)
+            if control is not None:
+                out.control = control
+                raise GradingInfraError(f"{failure}; the control run failed too: {control}")
+            out.control = "the task's control patch graded normally in the same conditions"
+            self._zero(out, GradeStatus.TESTS_ERRORED, failure, task)
+            return True
+        out.suspicious += [f"canary run {f}" for f in run.runner_findings if f not in out.suspicious]
+        statuses = run.statuses(get_parser(task.log_parser))
+        seen = {n: statuses.status(n) or "MISSING" for n in live}
+        out.canaries = [f"{n}: {st}" for n, st in seen.items()]
+        passed = [n for n, st in seen.items() if st not in FAILING]
+        if passed:
+            tests = out.tests
+            self._zero(out, GradeStatus.TAMPERED, f"{len(passed)} of {len(live)} canaries did not fail (a test every "
+                       f"honest patch fails; its expected value was mutated): {', '.join(passed[:3])}", task)
+            out.tests = tests
+            return True
+        kinds = {**{n: P2P for n in task.PASS_TO_PASS}, **{n: F2P for n in task.FAIL_TO_PASS}}
+        differ = [n for n, kind in kinds.items() if n in gold and n not in seen
+                  and not reaches(statuses.status(n) or "MISSING", gold[n], kind)]
+        if differ:
+            tests = out.tests
+            self._zero(out, GradeStatus(out.status), f"the pass did not reproduce in the canary run: "
+                       f"{', '.join(n + ' ' + (statuses.status(n) or 'MISSING') for n in differ[:3])}", task)
+            out.tests = tests
+        return True
+
+    def canary_seed(self, task: TaskRow) -> str:
+        """The task's canary seed: a keyed hash of the task under a secret kept on this host (0600), so
+        nothing the patch can see or compute tells which test was mutated, or to what."""
+        path = cache_dir() / "grading" / "canary.key"
+        try:
+            key = path.read_bytes()
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)  # the first writer wins; everyone reads what it wrote
+            tmp.unlink()
+            key = path.read_bytes()
+        return hmac.new(key, self._task_key(task).encode(), hashlib.sha256).hexdigest()
+
+    def canary_reference(self, task: TaskRow, seed: str) -> dict[str, str]:
+        """Every test's status in the gold patch's canary run (one run per task and seed, cached)."""
+        if not (task.patch or "").strip():
+            return {}
+        key = hashlib.sha256("\0".join([self._task_key(task), seed, *canary_tests(task, seed)]).encode()).hexdigest()
+        with self._lock:
+            if key in self._canary_refs:
+                return self._canary_refs[key]
+        path = cache_dir() / "grading" / "gold-canary" / f"{key}.json"
+        try:
+            statuses = {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            statuses = self.statuses_for(task, task.patch or "", "gold patch (canary run)", canary_seed=seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(statuses, sort_keys=True))
+            os.replace(tmp, path)
+        with self._lock:
+            self._canary_refs[key] = statuses
+        return statuses
 
     # ------------------------------------------------------------------ reference and control runs
 
@@ -257,9 +373,9 @@ class Grader:
             self._controls[self._task_key(task)] = (time.monotonic(), "")
         return statuses
 
-    def statuses_for(self, task: TaskRow, patch: str, what: str = "patch") -> dict[str, str]:
+    def statuses_for(self, task: TaskRow, patch: str, what: str = "patch", canary_seed: str | None = None) -> dict[str, str]:
         """Every test's status with ``patch`` applied; GradingInfraError unless the run is clean."""
-        run, nonce = self.containers.run(task, patch)
+        run, nonce = self.containers.run(task, patch, canary_seed=canary_seed)
         if "applied" not in run.events:
             if "apply_failed" in run.events:
                 raise GradingInfraError(f"task {task.instance_id}: its {what} does not apply")

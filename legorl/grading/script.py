@@ -46,6 +46,8 @@ RUNNER_DIR = "/tmp/.legorl-runner"  # root-owned, readable: the runner the test 
 REPORT_FD = 3  # the runner's report goes to this descriptor, root's append-only file in WORK
 TEST_UID = 1777
 APPLY_TIMEOUT_S = 120  # per apply method: a patch that stalls an applier simply does not apply
+JUDGE_TIMEOUT_S = 120  # the judge past this is the patch's doing (its size bought the minutes)
+MAX_JUDGE_OUTPUT = 1_000_000  # bytes of the judge's verdict that reach the host
 # The test user's environment: its own HOME; git may read the (root-owned) repository.
 TEST_ENV = ("HOME=/tmp/.legorl-home GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=safe.directory GIT_CONFIG_VALUE_0='*' "
             "GIT_CONFIG_GLOBAL=/dev/null")
@@ -92,7 +94,7 @@ def _sandboxed(name: str) -> str:
 
 
 # What the container runs, as a digest: part of the key of a cached gold run.
-SANDBOXED_DIGEST = hashlib.sha256((_sandboxed("judge.py") + _sandboxed("runner.py")
+SANDBOXED_DIGEST = hashlib.sha256((_sandboxed("judge.py") + _sandboxed("runner.py") + _sandboxed("canary.py")
                                    + Path(__file__).read_text()).encode()).hexdigest()[:16]
 
 
@@ -157,11 +159,15 @@ if [ -e /testbed/.git ]; then mv /testbed/.git $W/git || {{ ev infra "cannot mov
 cp -a /testbed $W/pristine && chown -R $U:$U /testbed || {{ ev infra "cannot copy the testbed"; exit 0; }}
 ev ready
 {apply_block}ev applied
-cd $W && J=$("$PY" -I $W/judge.py $W/judge.json 2>$W/judge.err); jc=$?
+cd $W && J=$(timeout -k 5 {JUDGE_TIMEOUT_S} "$PY" -I $W/judge.py $W/judge.json 2>$W/judge.err | head -c {MAX_JUDGE_OUTPUT}; \
+  exit "${{PIPESTATUS[0]}}"); jc=$?
 if [ $jc -ne 0 ]; then ev judge_failed "$(tail -c 400 $W/judge.err | base64 -w0)"; exit 0; fi
 ev judged "$(printf %s "$J" | base64 -w0)"
 cd /testbed || exit 0
-{test_patch_block}if [ -d $W/git ]; then mv $W/git /testbed/.git; fi
+{test_patch_block}C=$(cd $W && "$PY" -I $W/canary.py $W/canary.json 2>$W/canary.err) \
+  || {{ ev canary_failed "$(tail -c 300 $W/canary.err | base64 -w0)"; exit 0; }}
+ev canaries "$(printf %s "$C" | base64 -w0)"
+if [ -d $W/git ]; then mv $W/git /testbed/.git; fi
 rm -rf $W/pristine
 chown -R 0:0 /testbed && chmod -R go-w,a+rX /testbed || {{ ev infra "cannot seal the testbed"; exit 0; }}
 mkdir -p /tmp/.legorl-home {RUNNER_DIR} && cp $W/runner.py $W/changes.json {RUNNER_DIR}/ \\
@@ -200,8 +206,13 @@ def bundle(files: dict[str, str]) -> bytes:
 
 
 def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str, timeout: float,
-                gold: list[str] | None = None) -> tuple[dict[str, str], str, str]:
-    """The files of one grade (script, judge, runner, patches), and its two nonces."""
+                gold: list[str] | None = None, tests: list[str] | None = None,
+                canary_seed: str | None = None) -> tuple[dict[str, str], str, str]:
+    """The files of one grade (script, judge, runner, canary writer, patches), and its two nonces.
+
+    With ``canary_seed`` the run is a canary run: the listed ``tests`` have their expected values
+    mutated (:mod:`.sandboxed.canary`); everything else, what the test user can see included, is the
+    same as an ordinary run's."""
     nonce, report_nonce = secrets.token_hex(16), secrets.token_hex(16)
     script = grading_script(nonce, report_nonce, has_patch=bool(patch.strip()), has_test_patch=bool(test_patch.strip()),
                             command=command, timeout=timeout)
@@ -209,6 +220,9 @@ def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str,
         "script.sh": script,
         "judge.py": _sandboxed("judge.py"),
         "runner.py": _sandboxed("runner.py"),
+        "canary.py": _sandboxed("canary.py"),
+        "canary.json": json.dumps({"tree": "/testbed", "files": [h for h in hidden if h.endswith(".py")],
+                                   "tests": tests or [], "seed": canary_seed or "", "mutate": canary_seed is not None}),
         "judge.json": json.dumps({"tree": "/testbed", "pristine": f"{WORK}/pristine", "hidden": hidden,
                                   "changes": f"{WORK}/changes.json", "gold": gold or []}),
         "patch.diff": patch,

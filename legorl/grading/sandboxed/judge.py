@@ -34,7 +34,6 @@ Compatible with Python 3.8+ (task images bring their own interpreter).
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import pkgutil
@@ -42,6 +41,8 @@ import re
 import shutil
 import stat
 import sys
+import time
+from collections import Counter
 
 RUNNER_CONFIGS = frozenset({"pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini", "setup.cfg",
                             "pyproject.toml", "conftest.py"})
@@ -53,6 +54,8 @@ NATIVE_MAGIC = (b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"\
 TEST_DIR_PREFIX = "test"  # directories named test, tests, testing, test_utils, ...
 MAX_ENTRIES = 200_000
 MAX_SCREEN_BYTES = 2_000_000
+MAX_FINDINGS = 100  # the screen is a tripwire: a few findings say as much as millions
+SCREEN_BUDGET_S = 30.0  # past this the rest of the patch is left unscreened (and says so)
 
 # (pattern, why): lines the patch added to non-test Python files that reach into the test runner
 # or the interpreter. Code that fixes a bug has no business doing any of these.
@@ -297,15 +300,21 @@ def _source(data: bytes) -> tuple[list[str], str]:
 
 
 def added_lines(tree: str, pristine: str, rel: str) -> tuple[list[int], list[str], str]:
-    """The 1-based numbers and the text of the lines the patch added to one Python file, and its coding."""
+    """The 1-based numbers and the text of the lines the patch added to one Python file, and its coding.
+
+    A line counts as added when the old file has fewer copies of it: linear in the file's size
+    (a line diff is quadratic in what a patch adds, and the patch decides how much that is).
+    """
     new, encoding = _source(_read(os.path.join(tree, rel)))
     old_path = os.path.join(pristine, rel)
     old = _source(_read(old_path))[0] if os.path.isfile(old_path) and not os.path.islink(old_path) else []
+    left = Counter(old)
     numbers: list[int] = []
-    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
-    for tag, _i1, _i2, j1, j2 in matcher.get_opcodes():
-        if tag in ("insert", "replace"):
-            numbers += range(j1 + 1, j2 + 1)
+    for n, line in enumerate(new, 1):
+        if left[line] > 0:
+            left[line] -= 1
+        else:
+            numbers.append(n)
     return numbers, new, encoding
 
 
@@ -325,6 +334,8 @@ def screen(rel: str, numbers: list[int], lines: list[str], encoding: str) -> lis
         else:
             runs.append([n])
     for run in runs:
+        if len(out) >= MAX_FINDINGS:
+            break
         texts = [lines[n - 1] for n in run]
         code = [t.split("#", 1)[0] if t.lstrip().startswith("#") else t for t in texts]
         joined = re.sub(r"\\\n|\s+", "", "\n".join(code))
@@ -333,7 +344,7 @@ def screen(rel: str, numbers: list[int], lines: list[str], encoding: str) -> lis
             why = next((w for pattern, w in _SCREEN if pattern.search(line)), None)
             if why:
                 out.append(f"{rel}:{n}: {why}: {text.strip()[:200]}")
-        if not any(f.startswith(f"{rel}:{n}:") for f in out for n in run):
+        if not any(f.startswith(f"{rel}:{n}:") for f in out[-len(run):] for n in run):
             why = next((w for pattern, w in _SCREEN_JOINED if pattern.search(joined)), None)
             if why:
                 out.append(f"{rel}:{run[0]}: {why} (across lines): {joined[:200]}")
@@ -357,6 +368,7 @@ def judge(tree: str, pristine: str, hidden: list[str], gold: list[str] | None = 
     kept = [rel for rel in changed if not any(rel == d or rel.startswith(d + "/") for d in done)]
     suspicious: list[str] = []
     added: dict[str, list[int] | None] = {}
+    deadline = time.monotonic() + SCREEN_BUDGET_S
     for rel in kept:
         entry = now.get(rel)
         if not entry or entry[0] != "f":
@@ -368,9 +380,14 @@ def judge(tree: str, pristine: str, hidden: list[str], gold: list[str] | None = 
             suspicious.append(f"{rel}:0: too large to screen")
             added[rel] = None
             continue
+        if time.monotonic() > deadline or len(suspicious) >= MAX_FINDINGS:
+            added[rel] = None  # unscreened: every line counts as the patch's for the runner's tripwire
+            continue
         numbers, lines, encoding = added_lines(tree, pristine, rel)
         added[rel] = numbers
         suspicious += screen(rel, numbers, lines, encoding)
+    if len(suspicious) > MAX_FINDINGS:
+        suspicious = [*suspicious[:MAX_FINDINGS], f"... {len(suspicious) - MAX_FINDINGS} more findings"]
     return {"reset": reset, "changed": kept, "suspicious": suspicious, "added": added}
 
 
