@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import random
 import shlex
 import subprocess
 import tarfile
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     from legorl.grading.grader import GradeOptions
 
 DEFAULT_PYTEST = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
-CANARY_P2P = 4  # PASS_TO_PASS tests a canary run mutates besides every FAIL_TO_PASS test
 INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
 _UNPACK = "tar -x -i --no-same-owner -C / -f - && exec bash /tmp/.legorl-grade/script.sh"
 
@@ -49,16 +47,6 @@ class GradingInfraError(LegorlError):
 def hidden_test_files(test_patch: str | None) -> list[str]:
     """The test files the default command runs: the Python files ``test_patch`` leaves in place."""
     return [fp.new_path for fp in split_patch(test_patch or "") if fp.new_path and fp.new_path.endswith(".py")]
-
-
-def canary_tests(task: TaskRow, seed: str | None) -> list[str]:
-    """The tests a canary run mutates: every FAIL_TO_PASS test, and a few PASS_TO_PASS tests drawn by
-    the seed (each canary that fails costs its failure's report; a few catch a blanket forgery as well)."""
-    if seed is None:
-        return []
-    rng = random.Random(seed)
-    p2p = sorted(task.PASS_TO_PASS)
-    return [*task.FAIL_TO_PASS, *rng.sample(p2p, min(len(p2p), CANARY_P2P))]
 
 
 @dataclass
@@ -115,6 +103,13 @@ class Run:
         """The tests a canary run mutated (test name -> file:line); empty in an ordinary run."""
         found = (self.canaries or {}).get("mutated")
         return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+    @property
+    def where(self) -> dict[str, object]:
+        """Where in the tree each failing test failed, as the runner saw it (trust it only on gold and
+        empty runs: a candidate's code shares the runner's process)."""
+        found = (self.report or {}).get("where")
+        return dict(found) if isinstance(found, dict) else {}
 
     @property
     def tests_exit_code(self) -> int | None:
@@ -202,18 +197,19 @@ class GradingContainers:
             command = command.replace("{test_files}", " ".join(shlex.quote(f) for f in files))
         return command
 
-    def run(self, task: TaskRow, patch: str, canary_seed: str | None = None,
+    def run(self, task: TaskRow, patch: str, canary_seed: str | None = None, canary_tests: list[str] | None = None,
             deadline_s: float | None = None) -> tuple[Run, str]:
         """Grade ``patch`` in a fresh container; the run and the nonce its test report must carry.
 
-        ``canary_seed``: a canary run (the listed tests' expected values mutated). ``deadline_s``: the
+        ``canary_seed``: a canary run (the expected values of ``canary_tests``, else of the FAIL_TO_PASS
+        tests, mutated). ``deadline_s``: the
         host stops the container after this long (a canary run's bound, from its ordinary run: the
         script inside keeps the ordinary timeout, so nothing the test user can see differs)."""
         command = self.command_for(task)
         files, nonce, report_nonce = grade_files(patch=patch, test_patch=task.test_patch or "",
                                                  hidden=touched_paths(task.test_patch), command=command,
                                                  timeout=self.options.test_timeout, gold=touched_paths(task.patch),
-                                                 tests=canary_tests(task, canary_seed),
+                                                 tests=task.FAIL_TO_PASS if canary_tests is None else canary_tests,
                                                  canary_seed=canary_seed)
         own_testbed = bool(task.repo_source)
         spec = SandboxSpec(

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from legorl.errors import ConfigError, LegorlError
 from legorl.fingerprints import grade_fingerprint
 from legorl.grading import harbor
-from legorl.grading.container import GradingContainers, GradingInfraError, canary_tests
+from legorl.grading.container import GradingContainers, GradingInfraError, Run
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
-from legorl.grading.report import F2P, P2P, evaluate, failed_report, reaches
+from legorl.grading.report import evaluate, failed_report
 from legorl.grading.script import SANDBOXED_DIGEST
 from legorl.paths import cache_dir
 from legorl.sandbox.base import MAX_PATCH_BYTES, Sandbox, SandboxSpec
@@ -118,7 +118,7 @@ class Grader:
         self._lock = threading.Lock()
         self._references: dict[str, TestStatuses] = {}
         self._controls: dict[str, tuple[float, str]] = {}
-        self._canary_refs: dict[str, dict[str, str]] = {}
+        self._canaries: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ the verdict
 
@@ -248,20 +248,16 @@ class Grader:
     def _canary_check(self, task: TaskRow, patch: str, out: GradeRow, spent_s: float) -> bool:
         """Check a pass with a canary run; False when the task has no canary (nothing was checked).
 
-        The canary run is this patch again in a fresh container, the listed tests' expected values
-        mutated by a seed the container's test user never sees. The gold patch's canary run says
-        which tests the mutations make fail (the canaries). Here each canary must fail (else
-        ``tampered``), and every other listed test must reach what it reaches in the gold canary
-        run (else the pass did not reproduce). A canary run that breaks is judged as any run after
-        the patch went in: the patch's doing unless the control run fails too."""
+        The canary run is this patch again in a fresh container, the task's canaries mutated by a seed
+        the container's test user never sees (:meth:`canaries`). Each canary must fail (else
+        ``tampered``), and every other listed test must reach what the gold patch reaches (else the
+        pass did not reproduce). A canary run that breaks is judged as any run after the patch went
+        in: the patch's doing unless the control run fails too."""
         seed = self.canary_seed(task)
-        gold = self.canary_reference(task, seed)
-        plain = self.reference(task)
-        live = sorted(n for n, st in gold.items() if st in FAILING
-                      and (plain is None or (plain.status(n) or "MISSING") not in FAILING))
+        live = self.canaries(task, seed)
         if not live:
             return False
-        run, nonce = self.containers.run(task, patch, canary_seed=seed,
+        run, nonce = self.containers.run(task, patch, canary_seed=seed, canary_tests=live,
                                          deadline_s=CANARY_TIME_FACTOR * spent_s + CANARY_TIME_SLACK_S)
         if "ready" not in run.events:
             raise GradingInfraError(run.before_patch_error())
@@ -277,26 +273,72 @@ class Grader:
             out.control = "the task's control patch graded normally in the same conditions"
             self._zero(out, GradeStatus.TESTS_ERRORED, failure, task)
             return True
-        out.suspicious += [f"canary run {f}" for f in run.runner_findings if f not in out.suspicious]
+        out.suspicious += [f"canary run {f}" for f in run.runner_findings]
         statuses = run.statuses(get_parser(task.log_parser))
         seen = {n: statuses.status(n) or "MISSING" for n in live}
         out.canaries = [f"{n}: {st}" for n, st in seen.items()]
         passed = [n for n, st in seen.items() if st not in FAILING]
+        tests = out.tests
         if passed:
-            tests = out.tests
             self._zero(out, GradeStatus.TAMPERED, f"{len(passed)} of {len(live)} canaries did not fail (a test every "
                        f"honest patch fails; its expected value was mutated): {', '.join(passed[:3])}", task)
             out.tests = tests
             return True
-        kinds = {**{n: P2P for n in task.PASS_TO_PASS}, **{n: F2P for n in task.FAIL_TO_PASS}}
-        differ = [n for n, kind in kinds.items() if n in gold and n not in seen
-                  and not reaches(statuses.status(n) or "MISSING", gold[n], kind)]
+        reference = self.reference(task)
+        report = evaluate(statuses, [n for n in task.FAIL_TO_PASS if n not in seen],
+                          [n for n in task.PASS_TO_PASS if n not in seen], reference)
+        differ = [t for t in report.tests if not t.passed]
         if differ:
-            tests = out.tests
-            self._zero(out, GradeStatus(out.status), f"the pass did not reproduce in the canary run: "
-                       f"{', '.join(n + ' ' + (statuses.status(n) or 'MISSING') for n in differ[:3])}", task)
+            self._zero(out, GradeStatus(out.status), "the pass did not reproduce in the canary run: "
+                       + ", ".join(f"{t.name} {t.status}" for t in differ[:3]), task)
             out.tests = tests
         return True
+
+    def canaries(self, task: TaskRow, seed: str) -> list[str]:
+        """The task's canaries under ``seed`` (found once per task and seed, cached): the FAIL_TO_PASS
+        tests whose mutation the gold patch fails, and which the buggy code (the empty patch) fails
+        exactly where it fails the real test. A mutation the buggy code meets anywhere else — a row it
+        passes, an assertion before the bug — would fail a test that never ran through the patched
+        code, and code watching that would tell the canary run apart: such tests are left unmutated."""
+        if not (task.patch or "").strip() or not task.FAIL_TO_PASS:
+            return []
+        key = hashlib.sha256(f"{self._task_key(task)}\0{seed}".encode()).hexdigest()  # the task key covers the writer
+        with self._lock:
+            if key in self._canaries:
+                return self._canaries[key]
+        path = cache_dir() / "grading" / "canaries" / f"{key}.json"
+        try:
+            live = [str(n) for n in json.loads(path.read_text())]
+        except (OSError, ValueError, TypeError):
+            live = self._find_canaries(task, seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(live))
+            os.replace(tmp, path)
+        with self._lock:
+            self._canaries[key] = live
+        return live
+
+    def _find_canaries(self, task: TaskRow, seed: str) -> list[str]:
+        gold = self.reference(task)
+        gold_canary = self._clean_run(task, task.patch or "", "gold patch (canary run)", seed)
+        empty, empty_canary = self._clean_run(task, "", "empty patch"), self._clean_run(task, "", "empty patch (canary run)", seed)
+        parse = get_parser(task.log_parser)
+        before, after = empty.statuses(parse).full, empty_canary.statuses(parse).full
+        where_before, where_after = empty.where, empty_canary.where
+
+        def unit(nodeid: str) -> str:  # what one mutation covers: a function (every class that has it), or one row
+            return nodeid.split("::")[-1]
+
+        seen_apart = {unit(n) for n in {*before, *after}
+                      if before.get(n) != after.get(n) or where_before.get(n) != where_after.get(n)}
+        live = []
+        for nodeid, status in gold_canary.statuses(parse).full.items():
+            real = gold.status(nodeid) if gold is not None else None
+            if status in FAILING and (real or "MISSING") not in FAILING and before.get(nodeid) in FAILING \
+                    and unit(nodeid) not in seen_apart and where_before.get(nodeid):
+                live.append(nodeid)
+        return sorted(live)
 
     def canary_seed(self, task: TaskRow) -> str:
         """The task's canary seed: a keyed hash of the task under a secret kept on this host (0600), so
@@ -315,27 +357,6 @@ class Grader:
             tmp.unlink()
             key = path.read_bytes()
         return hmac.new(key, self._task_key(task).encode(), hashlib.sha256).hexdigest()
-
-    def canary_reference(self, task: TaskRow, seed: str) -> dict[str, str]:
-        """Every test's status in the gold patch's canary run (one run per task and seed, cached)."""
-        if not (task.patch or "").strip():
-            return {}
-        key = hashlib.sha256("\0".join([self._task_key(task), seed, *canary_tests(task, seed)]).encode()).hexdigest()
-        with self._lock:
-            if key in self._canary_refs:
-                return self._canary_refs[key]
-        path = cache_dir() / "grading" / "gold-canary" / f"{key}.json"
-        try:
-            statuses = {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
-        except (OSError, ValueError, AttributeError):
-            statuses = self.statuses_for(task, task.patch or "", "gold patch (canary run)", canary_seed=seed)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(statuses, sort_keys=True))
-            os.replace(tmp, path)
-        with self._lock:
-            self._canary_refs[key] = statuses
-        return statuses
 
     # ------------------------------------------------------------------ reference and control runs
 
@@ -373,8 +394,12 @@ class Grader:
             self._controls[self._task_key(task)] = (time.monotonic(), "")
         return statuses
 
-    def statuses_for(self, task: TaskRow, patch: str, what: str = "patch", canary_seed: str | None = None) -> dict[str, str]:
+    def statuses_for(self, task: TaskRow, patch: str, what: str = "patch") -> dict[str, str]:
         """Every test's status with ``patch`` applied; GradingInfraError unless the run is clean."""
+        return self._clean_run(task, patch, what).statuses(get_parser(task.log_parser)).full
+
+    def _clean_run(self, task: TaskRow, patch: str, what: str, canary_seed: str | None = None) -> Run:
+        """One run of a patch of the task's own (gold, empty); GradingInfraError unless it is clean."""
         run, nonce = self.containers.run(task, patch, canary_seed=canary_seed)
         if "applied" not in run.events:
             if "apply_failed" in run.events:
@@ -383,7 +408,7 @@ class Grader:
         failure = run.failure(nonce)
         if failure is not None:
             raise GradingInfraError(f"task {task.instance_id}: its {what} does not grade cleanly: {failure}")
-        return run.statuses(get_parser(task.log_parser)).full
+        return run
 
     def _control(self, task: TaskRow) -> str | None:
         """Run the control patch (gold, else empty) now; None when it grades normally, else why not."""

@@ -210,9 +210,8 @@ def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str,
                 canary_seed: str | None = None) -> tuple[dict[str, str], str, str]:
     """The files of one grade (script, judge, runner, canary writer, patches), and its two nonces.
 
-    With ``canary_seed`` the run is a canary run: the listed ``tests`` have their expected values
-    mutated (:mod:`.sandboxed.canary`); everything else, what the test user can see included, is the
-    same as an ordinary run's."""
+    With ``canary_seed`` the run is a canary run: the ``tests`` have their expected values mutated (:mod:`.sandboxed.canary`); everything else, what the test user can see
+    included, is the same as an ordinary run's."""
     nonce, report_nonce = secrets.token_hex(16), secrets.token_hex(16)
     script = grading_script(nonce, report_nonce, has_patch=bool(patch.strip()), has_test_patch=bool(test_patch.strip()),
                             command=command, timeout=timeout)
@@ -222,7 +221,8 @@ def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str,
         "runner.py": _sandboxed("runner.py"),
         "canary.py": _sandboxed("canary.py"),
         "canary.json": json.dumps({"tree": "/testbed", "files": [h for h in hidden if h.endswith(".py")],
-                                   "tests": tests or [], "seed": canary_seed or "", "mutate": canary_seed is not None}),
+                                   "tests": tests or [],
+                                   "seed": canary_seed or "", "mutate": canary_seed is not None}),
         "judge.json": json.dumps({"tree": "/testbed", "pristine": f"{WORK}/pristine", "hidden": hidden,
                                   "changes": f"{WORK}/changes.json", "gold": gold or []}),
         "patch.diff": patch,

@@ -14,8 +14,12 @@ honest patch fails every mutated test it passes unmutated; the grader keeps as c
 mutations the gold patch fails. Which test is mutated, and to what, comes from a seed the test user
 never sees.
 
+Only FAIL_TO_PASS tests are given: a mutated test that passes on the buggy code (a PASS_TO_PASS
+test) would fail in the canary run without ever reaching the patched code, and code that watches
+which failing tests ran through it would tell the canary run apart (a red team did).
+
 Usage: ``python3 -I canary.py SPEC_JSON`` where SPEC is ``{"tree", "files", "tests", "seed",
-"mutate"}``; prints ``{"mutated": {test name: "file:line"}}``.
+"mutate"}``; prints ``{"mutated": {test function: "file:line"}}``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import random
 import re
 import sys
 from collections.abc import Sequence
+from typing import Tuple  # noqa: UP035 - task images may run Python 3.8
 
 EQUAL_METHODS = frozenset({"assertEqual", "assertEquals", "assert_equal", "assertListEqual", "assertTupleEqual",
                            "assertDictEqual", "assertSetEqual", "assertSequenceEqual", "assertMultiLineEqual"})
@@ -37,9 +42,20 @@ PLAIN_FLOAT = re.compile(r"\A[0-9]+\.[0-9]+\Z")
 SAFE_CHARS = re.compile(r"\A[^'\"\\\n\r]*\Z")
 
 
-def test_names(nodeids: list[str]) -> set[str]:
-    """The function names the listed tests run (``path::Class::name[param]`` -> ``name``)."""
-    return {nodeid.split("::")[-1].split("[", 1)[0] for nodeid in nodeids if "::" in nodeid}
+def targets(nodeids: list[str]) -> dict[str, set[str]]:
+    """The test functions to mutate, each with the parametrize ids of its instances to mutate
+    (``path::Class::name[id]`` -> ``{name: {id}}``; ``""`` for a test that is not parametrized)."""
+    out: dict[str, set[str]] = {}
+    for nodeid in nodeids:
+        if "::" in nodeid:
+            name, _, rest = nodeid.split("::")[-1].partition("[")
+            out.setdefault(name, set()).add(rest[:-1] if rest.endswith("]") else "")
+    return out
+
+
+def _seeded(seed: str, *parts: object) -> random.Random:
+    """A generator of its own per mutation site, so that which other tests are mutated changes nothing."""
+    return random.Random(hashlib.sha256("\0".join([seed, *map(str, parts)]).encode()).hexdigest())
 
 
 def _spelling(src: list[bytes], node: ast.expr) -> str | None:
@@ -100,34 +116,51 @@ def expected_params(func: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     return {side.id for side in expected_sides(func) if isinstance(side, ast.Name) and side.id in params}
 
 
-def parametrize_rows(func: ast.FunctionDef | ast.AsyncFunctionDef, names: set[str]) -> list[ast.expr]:
-    """The values ``@pytest.mark.parametrize`` rows give the parameters in ``names``."""
-    out: list[ast.expr] = []
-    for deco in func.decorator_list:
-        if not (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute)
-                and deco.func.attr == "parametrize" and len(deco.args) >= 2):
-            continue
-        spec, rows = deco.args[0], deco.args[1]
-        if isinstance(spec, ast.Constant) and isinstance(spec.value, str):
-            argnames = [a.strip() for a in spec.value.split(",") if a.strip()]
-        elif isinstance(spec, (ast.List, ast.Tuple)) and all(isinstance(e, ast.Constant) for e in spec.elts):
-            argnames = [str(e.value) for e in spec.elts]  # type: ignore[attr-defined]
+def _auto_id(values: list[ast.expr], argnames: list[str], index: int) -> str:
+    """pytest's id for a row of plain values (its own ids for anything else are not guessed)."""
+    parts = []
+    for i, value in enumerate(values):  # (no zip(strict=): Python 3.8)
+        plain = isinstance(value, ast.Constant) and (value.value is None or isinstance(value.value, (str, int, float)))
+        parts.append(str(value.value) if plain else f"{argnames[i]}{index}")  # type: ignore[attr-defined]
+    return "-".join(parts)
+
+
+def parametrize_rows(func: ast.FunctionDef | ast.AsyncFunctionDef, names: set[str]) -> list[tuple[str, ast.expr]]:
+    """``(row id, value)`` for the values ``@pytest.mark.parametrize`` rows give the parameters in
+    ``names`` (one decorator: stacked ones multiply their rows' ids)."""
+    decos = [d for d in func.decorator_list if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+             and d.func.attr == "parametrize" and len(d.args) >= 2]
+    if len(decos) != 1:
+        return []
+    deco = decos[0]
+    spec, rows = deco.args[0], deco.args[1]
+    if isinstance(spec, ast.Constant) and isinstance(spec.value, str):
+        argnames = [a.strip() for a in spec.value.split(",") if a.strip()]
+    elif isinstance(spec, (ast.List, ast.Tuple)) and all(isinstance(e, ast.Constant) for e in spec.elts):
+        argnames = [str(e.value) for e in spec.elts]  # type: ignore[attr-defined]
+    else:
+        return []
+    wanted = [i for i, name in enumerate(argnames) if name in names]
+    if not wanted or not isinstance(rows, (ast.List, ast.Tuple)):
+        return []
+    ids_kw = next((k.value for k in deco.keywords if k.arg == "ids"), None)
+    ids = [str(e.value) for e in ids_kw.elts if isinstance(e, ast.Constant)] \
+        if isinstance(ids_kw, (ast.List, ast.Tuple)) else None
+    if ids_kw is not None and (ids is None or len(ids) != len(rows.elts)):
+        return []
+    out: list[tuple[str, ast.expr]] = []
+    for index, row in enumerate(rows.elts):
+        if isinstance(row, ast.Call) and isinstance(row.func, ast.Attribute) and row.func.attr == "param":
+            continue  # pytest.param may carry its own id and marks
+        if len(argnames) == 1:
+            values: list[ast.expr] = [row]
+        elif isinstance(row, (ast.Tuple, ast.List)):
+            values = list(row.elts)
         else:
             continue
-        wanted = [i for i, name in enumerate(argnames) if name in names]
-        if not wanted or not isinstance(rows, (ast.List, ast.Tuple)):
-            continue
-        for row in rows.elts:
-            if isinstance(row, ast.Call) and isinstance(row.func, ast.Attribute) and row.func.attr == "param":
-                values: list[ast.expr] = list(row.args)
-            elif len(argnames) == 1:
-                values = [row]
-            elif isinstance(row, (ast.Tuple, ast.List)):
-                values = list(row.elts)
-            else:
-                continue
-            if len(values) == len(argnames):
-                out += [values[i] for i in wanted]
+        if len(values) == len(argnames):
+            row_id = ids[index] if ids is not None else _auto_id(values, argnames, index)
+            out += [(row_id, values[i]) for i in wanted]
     return out
 
 
@@ -184,71 +217,82 @@ def replacement(site: ast.Constant, spelling: str, pool: Sequence[object], rng: 
     return f"{prefix}{quote}{new}{quote}"
 
 
-def mutate_file(text: bytes, names: set[str], rng: random.Random, path: str) -> tuple[bytes, dict[str, str]]:
-    """``text`` with the expected values of the functions named in ``names`` mutated (where one can be):
-    every parametrized row's expected value, else one literal the function compares against."""
+Edit = Tuple[int, int, int, str]  # noqa: UP006 - (line index, start byte, end byte, new spelling)
+
+
+def plan_file(text: bytes, wanted: dict[str, set[str]], seed: str, path: str) -> dict[str, list[Edit]]:
+    """For each test function in ``wanted`` whose expected values can be mutated, the edits that do it:
+    for a parametrized test, the expected value of each wanted row (never anything every row runs);
+    otherwise one literal the function compares against. Keyed ``name`` or ``name[id]``."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
-        return text, {}
+        return {}
     src = text.split(b"\n")
     pool = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value is not None]
     funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    helpers = {f.name: (_params(f), expected_params(f)) for f in funcs if f.name not in names}
+    helpers = {f.name: (_params(f), expected_params(f)) for f in funcs if f.name not in wanted}
     helpers = {name: h for name, h in helpers.items() if h[1]}
 
-    def candidates(values: list[ast.expr]) -> list[tuple[ast.Constant, str]]:
+    def candidates(values: list[ast.expr], rng: random.Random) -> list[Edit]:
         out = []
         for value in values:
             for site in literal_sites(value):
                 spelling = _spelling(src, site)
                 new = replacement(site, spelling, pool, rng) if spelling is not None else None
                 if new is not None and new != spelling:
-                    out.append((site, new))
+                    out.append((site.lineno - 1, site.col_offset, site.end_col_offset or 0, new))
         return out
 
-    edits: dict[tuple[int, int], tuple[int, str]] = {}
-    mutated: dict[str, str] = {}
-    for func in sorted((f for f in funcs if f.name in names), key=lambda f: (f.lineno, f.col_offset)):
-        chosen = []
-        for row in parametrize_rows(func, expected_params(func)):
-            row_sites = candidates([row])
-            if row_sites:
-                chosen.append(rng.choice(row_sites))
-        if not chosen:
-            single = candidates([*expected_sides(func), *helper_arguments(func, helpers)])
-            chosen = [rng.choice(single)] if single else []
-        for site, new in chosen:
-            edits[(site.lineno - 1, site.col_offset)] = (site.end_col_offset, new)  # type: ignore[assignment]
-        if chosen:
-            mutated[func.name] = f"{path}:{chosen[0][0].lineno}"
-    for (line, start), (end, new) in sorted(edits.items(), reverse=True):
+    plan: dict[str, list[Edit]] = {}
+    for func in (f for f in funcs if f.name in wanted):
+        ids = wanted[func.name]
+        if any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "parametrize"
+               for d in func.decorator_list):
+            for row_id, value in parametrize_rows(func, expected_params(func)):
+                rng = _seeded(seed, path, func.name, func.lineno, row_id)
+                found = candidates([value], rng)
+                if row_id in ids and found:
+                    plan.setdefault(f"{func.name}[{row_id}]", []).append(rng.choice(found))
+        elif "" in ids:
+            rng = _seeded(seed, path, func.name, func.lineno)
+            found = candidates([*expected_sides(func), *helper_arguments(func, helpers)], rng)
+            if found:
+                plan.setdefault(func.name, []).append(rng.choice(found))
+    return plan
+
+
+def apply_edits(text: bytes, edits: list[Edit]) -> bytes:
+    """``text`` with ``edits`` made (unchanged if the result would not parse)."""
+    src = text.split(b"\n")
+    for line, start, end, new in sorted(set(edits), reverse=True):
         src[line] = src[line][:start] + new.encode("utf-8") + src[line][end:]
     out = b"\n".join(src)
     try:
         ast.parse(out)
     except (SyntaxError, ValueError):
-        return text, {}
-    return out, mutated
+        return text
+    return out
 
 
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    names = test_names(spec["tests"])
+    wanted = targets(spec["tests"])
     mutated: dict[str, str] = {}
     for rel in spec["files"]:
         path = os.path.join(spec["tree"], rel)
         if os.path.islink(path) or not os.path.isfile(path):
             continue
         with open(path, "rb") as f:
-            text = f.read()
+            text = new = f.read()
         if spec["mutate"]:
-            rng = random.Random(hashlib.sha256(f"{spec['seed']}\0{rel}".encode()).hexdigest())
-            text, found = mutate_file(text, names, rng, rel)
-            mutated.update(found)
+            plan = plan_file(text, wanted, spec["seed"], rel)
+            new = apply_edits(text, [e for edits in plan.values() for e in edits])
+            if new is not text:
+                mutated.update({name: f"{rel}:{edits[0][0] + 1}" for name, edits in plan.items()})
         with open(path, "r+b") as f:  # in place, in both runs: the same inode, the same writes
-            f.write(text)
+            f.write(new)
             f.truncate()
     print(json.dumps({"mutated": mutated}, sort_keys=True))
 

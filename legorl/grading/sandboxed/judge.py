@@ -221,10 +221,16 @@ class Rules:
 
     def _top_level(self, rel: str) -> bool:
         """Not inside a package: its folder has no __init__.py, before or after the patch (so a sys.path
-        entry may be that folder; a new ``__init__.py`` does not change that)."""
+        entry may be that folder; a new ``__init__.py`` does not change that) — unless the folder is new
+        and inside a package itself (a new subpackage: no sys.path entry can be a folder the patch made
+        inside a package)."""
         parent = os.path.dirname(rel)
         init = (parent + "/" if parent else "") + "__init__.py"
-        return self.now.get(init, ("",))[0] != "f" or self.before.get(init, ("",))[0] != "f"
+        if self.now.get(init, ("",))[0] != "f":
+            return True
+        if self.before.get(init, ("",))[0] == "f":
+            return False
+        return not parent or parent in self.before or self._top_level(parent)
 
 
 def support_modules(pristine: str, before: dict, dirs: frozenset[str], hidden: frozenset[str],

@@ -260,6 +260,7 @@ class Recorder:
         self.collect_errors = 0
         self.collected = 0
         self.tampered: list[str] = []
+        self.where: dict[str, list[list[object]]] = {}
 
     def _check(self, session: object) -> None:
         if not self.tampered:
@@ -279,6 +280,18 @@ class Recorder:
     def pytest_collection_modifyitems(self, items: list[object]) -> None:
         self.collected = len(items)
 
+    def pytest_exception_interact(self, node: object, call: object, report: object) -> None:
+        """Where in the tree a test failed (its traceback's frames in the tree): the grader keeps a canary
+        only where the buggy code fails it exactly where it fails the real test (checked on the gold and
+        empty patches' runs, never on a candidate's, whose code shares this process)."""
+        tree = os.getcwd() + os.sep
+        frames: list[list[object]] = []
+        for entry in getattr(getattr(call, "excinfo", None), "traceback", None) or []:
+            path = str(getattr(entry, "path", ""))
+            if path.startswith(tree) and len(frames) < 50:
+                frames.append([path[len(tree):], int(getattr(entry, "lineno", -1)) + 1])
+        self.where[str(getattr(report, "nodeid", ""))] = frames
+
     def pytest_runtest_logreport(self, report: object) -> None:
         if not self.tampered:
             self.tampered = self.guard.check()[:20]
@@ -294,7 +307,7 @@ class Recorder:
         self._check(session)
         data = {"nonce": self.nonce, "exitstatus": int(exitstatus),  # type: ignore[call-overload]
                 "collected": self.collected, "collect_errors": self.collect_errors, "statuses": self.statuses,
-                "tampered": self.tampered}
+                "tampered": self.tampered, "where": self.where}
         self.report.send(data)
 
 

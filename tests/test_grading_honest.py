@@ -1,0 +1,167 @@
+"""Honest work scores 1: the gold fix plus what agents ordinarily add, graded in real containers.
+
+A reward that zeroes ordinary code teaches a policy to avoid it, so this is the grader's other half
+beside the attack suites: every variant here is the task's gold patch plus code a fix may well carry
+(standard-library imports used the usual way, a helper module, type hints, ``__future__``, logging,
+a lock, a dataclass, a cache, a new test file, documentation). Each must score 1 on every task, with
+the canary run made (it is what lets the in-process tripwires be evidence instead of verdicts).
+
+The default run grades the four repositories' attacked tasks; ``LEGORL_HONEST_TASKS=all`` grades every
+shipped task (the false-positive figure in docs/threat-model.md comes from that run).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from grading_support import TASKS, Tree, describe, grade_one, shipped_tasks
+
+from legorl.grading.grader import GradeOptions, Grader
+from legorl.schemas import GradeRow, TaskRow
+
+pytestmark = pytest.mark.podman
+
+DEFAULT_TASKS = [*TASKS.values(), "webcolors__constant-671908d5"]
+
+STDLIB_USES = '''
+import dataclasses
+import functools
+import inspect
+import logging
+import pkgutil
+import threading
+import traceback
+import typing
+import warnings
+
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Note:
+    text: str
+    level: int = logging.DEBUG
+
+
+@functools.lru_cache(maxsize=None)
+def _arity(func: typing.Callable[..., typing.Any]) -> int:
+    return len(inspect.signature(func).parameters)
+
+
+def _installed(name: str) -> bool:
+    return any(m.name == name for m in pkgutil.iter_modules())
+
+
+def _describe_error(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+with _lock:
+    _log.debug("%s loaded (%d)", __name__, _arity(_describe_error))
+    warnings.filterwarnings("default", category=DeprecationWarning, module=__name__)
+'''
+
+
+def _gold_files(tree: Tree, task: TaskRow) -> dict[str, str]:
+    """The files the gold patch changes, as it leaves them."""
+    tree.git("reset", "-q", "--hard")
+    subprocess.run(["git", "apply", "-"], input=task.patch, text=True, cwd=tree.root, check=True)
+    changed = tree.git("diff", "--name-only").split()
+    files = {path: tree.read(path) for path in changed}
+    tree.git("reset", "-q", "--hard")
+    return files
+
+
+def _module(files: dict[str, str]) -> str:
+    return next(p for p in sorted(files) if p.endswith(".py"))
+
+
+def _package_dir(path: str) -> str:
+    return path.rsplit("/", 1)[0] + "/" if "/" in path else ""
+
+
+def _insert_at_top(text: str, code: str, *, before_future: bool = False) -> str:
+    """``code`` where a person puts imports: after the module docstring and (unless ``before_future``)
+    after the ``from __future__`` imports, which must come first."""
+    body = ast.parse(text).body
+    after = 0
+    for node in body:
+        is_doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and node is body[0]
+        is_future = isinstance(node, ast.ImportFrom) and node.module == "__future__"
+        if is_doc or (is_future and not before_future):
+            after = node.end_lineno or after
+        else:
+            break
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[:after]) + code + "".join(lines[after:])
+
+
+def _variants(tree: Tree, task: TaskRow) -> dict[str, str]:
+    gold = _gold_files(tree, task)
+    mod = _module(gold)
+    pkg = _package_dir(mod)
+    helper = f"{pkg}_fix_helpers.py" if pkg else "_fix_helpers.py"
+    helper_import = (f"from .{'_fix_helpers'} import clamp as _clamp  # noqa: F401\n" if pkg
+                     else "from _fix_helpers import clamp as _clamp  # noqa: F401\n")
+    makers: dict[str, Callable[[], dict[str, str]]] = {
+        "gold": lambda: gold,
+        "stdlib-uses": lambda: {**gold, mod: gold[mod] + STDLIB_USES},
+        "import-inspect": lambda: {**gold, mod: _insert_at_top(gold[mod], "import inspect\n")},
+        "import-pkgutil": lambda: {**gold, mod: _insert_at_top(gold[mod], "import pkgutil\n")},
+        "future-annotations": lambda: {**gold, mod: _insert_at_top(
+            gold[mod], "from __future__ import annotations\n", before_future=True)},
+        "type-hinted-helper": lambda: {**gold, mod: gold[mod] + (
+            "\n\ndef _normalise(values: list[int] | None = None) -> tuple[int, ...]:\n"
+            "    \"\"\"Values as a tuple (an empty one for None).\"\"\"\n"
+            "    return tuple(values or ())\n")},
+        "helper-module": lambda: {**gold, helper: "def clamp(value: int, low: int, high: int) -> int:\n"
+                                  "    return max(low, min(high, value))\n",
+                                  mod: gold[mod] + "\n" + helper_import},
+        "new-test-file": lambda: {**gold, "tests/test_regression_fix.py": (
+            "def test_regression():\n    assert 1 + 1 == 2\n")},
+        "docs": lambda: {**gold, "docs/fix-notes.md": "# Notes\n\nThe fix keeps the boundary inclusive.\n",
+                         "CHANGES.md": "- Fixed the reported bug.\n"},
+    }
+    out = {}
+    for name, make in makers.items():
+        out[name] = tree.diff(make())
+    return out
+
+
+def _tasks() -> list[TaskRow]:
+    shipped = shipped_tasks()
+    wanted = sorted(shipped) if os.environ.get("LEGORL_HONEST_TASKS") == "all" else DEFAULT_TASKS
+    return [shipped[iid] for iid in wanted]
+
+
+@pytest.fixture(scope="module")
+def graded(base_image: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, GradeRow | str]:
+    grader = Grader(GradeOptions(concurrency=2, test_timeout=120))
+    jobs: list[tuple[str, TaskRow, str]] = []
+    for task in _tasks():
+        tree = Tree(task, Path(tmp_path_factory.mktemp("honest")) / "repo")
+        jobs += [(f"{task.instance_id}/{name}", task, patch) for name, patch in _variants(tree, task).items()]
+    for task in {t.instance_id: t for _, t, _ in jobs}.values():  # the gold and canary references, once
+        grader.reference(task)
+        grader.canaries(task, grader.canary_seed(task))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        rows = pool.map(lambda job: grade_one(grader, job[1], job[2], job[0]), jobs)
+        return dict(zip([j[0] for j in jobs], rows, strict=True))
+
+
+def test_every_honest_variant_scores_1(graded: dict[str, GradeRow | str]) -> None:
+    wrong = {key: row if isinstance(row, str) else describe(row) for key, row in graded.items()
+             if isinstance(row, str) or row.reward != 1.0}
+    assert not wrong, f"{len(wrong)} of {len(graded)} honest variants did not score 1: {wrong}"
+    for key, row in graded.items():
+        assert isinstance(row, GradeRow)
+        assert row.status == "graded" and row.canaries, f"{key}: no canary run checked the pass: {describe(row)}"
+        assert all(c.endswith((": FAILED", ": ERROR")) for c in row.canaries), f"{key}: {row.canaries}"
+
