@@ -239,6 +239,10 @@ class Grader:
         if not report.resolved:
             return
         checked = self.options.canaries and self._canary_check(task, text, out, run.result.duration_s)
+        if not checked and run.runner_findings:  # no canary: the runner's own check decides, as before the canaries
+            self._zero(out, GradeStatus.TESTS_ERRORED, "the code under test rewired the test runner ("
+                       + ", ".join(run.runner_findings)[:300] + ")", task)
+            return
         if not checked and out.suspicious and self.options.suspicious_scores_zero:
             out.status, out.reward, out.resolved, out.resolution = GradeStatus.SUSPICIOUS, 0.0, False, Resolution.NO
             out.error = f"the tests passed, but the patch's code reaches into the test runner ({out.suspicious[0]})"
