@@ -216,12 +216,7 @@ class Grader:
         out.suspicious += run.runner_findings
         failure = run.failure(report_nonce)
         if failure is not None:
-            control = self._control(task)
-            if control is not None:
-                out.control = control
-                raise GradingInfraError(f"{failure}; the control run failed too: {control}")
-            out.control = "the task's control patch graded normally in the same conditions"
-            self._zero(out, GradeStatus.TESTS_ERRORED, failure, task)
+            self._failed_after_patch(task, out, failure)
             return
         statuses = run.statuses(get_parser(task.log_parser))
         report = evaluate(statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS, reference)
@@ -247,6 +242,15 @@ class Grader:
             out.status, out.reward, out.resolved, out.resolution = GradeStatus.SUSPICIOUS, 0.0, False, Resolution.NO
             out.error = f"the tests passed, but the patch's code reaches into the test runner ({out.suspicious[0]})"
 
+    def _failed_after_patch(self, task: TaskRow, out: GradeRow, failure: str) -> None:
+        """A run that broke after the patch went in: the patch's 0, unless the control run breaks too."""
+        control = self._control(task)
+        if control is not None:
+            out.control = control
+            raise GradingInfraError(f"{failure}; the control run failed too: {control}")
+        out.control = "the task's control patch graded normally in the same conditions"
+        self._zero(out, GradeStatus.TESTS_ERRORED, failure, task)
+
     # ------------------------------------------------------------------ the canary run
 
     def _canary_check(self, task: TaskRow, patch: str, out: GradeRow, spent_s: float) -> bool:
@@ -270,12 +274,7 @@ class Grader:
             failure = "the canary run's tests timed out"
         if failure is not None:
             failure = f"the canary run: {failure}"
-            control = self._control(task)
-            if control is not None:
-                out.control = control
-                raise GradingInfraError(f"{failure}; the control run failed too: {control}")
-            out.control = "the task's control patch graded normally in the same conditions"
-            self._zero(out, GradeStatus.TESTS_ERRORED, failure, task)
+            self._failed_after_patch(task, out, failure)
             return True
         out.suspicious += [f"canary run {f}" for f in run.runner_findings]
         statuses = run.statuses(get_parser(task.log_parser))
