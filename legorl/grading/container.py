@@ -14,7 +14,7 @@ import shlex
 import subprocess
 import tarfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,6 +103,12 @@ class Run:
         """The tests a canary run mutated (test name -> file:line); empty in an ordinary run."""
         found = (self.canaries or {}).get("mutated")
         return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+    @property
+    def negated(self) -> list[str]:
+        """Which of ``mutated`` negate the assertion at their site (no expected value there to change)."""
+        found = (self.canaries or {}).get("negated")
+        return [str(k) for k in found] if isinstance(found, list) else []
 
     @property
     def where(self) -> dict[str, object]:
@@ -197,19 +203,19 @@ class GradingContainers:
             command = command.replace("{test_files}", " ".join(shlex.quote(f) for f in files))
         return command
 
-    def run(self, task: TaskRow, patch: str, canary_seed: str | None = None, canary_tests: list[str] | None = None,
-            deadline_s: float | None = None) -> tuple[Run, str]:
+    def run(self, task: TaskRow, patch: str, canary_seed: str | None = None,
+            canary_tests: Mapping[str, object] | None = None, deadline_s: float | None = None) -> tuple[Run, str]:
         """Grade ``patch`` in a fresh container; the run and the nonce its test report must carry.
 
-        ``canary_seed``: a canary run (the expected values of ``canary_tests``, else of the FAIL_TO_PASS
-        tests, mutated). ``deadline_s``: the
+        ``canary_seed``: a canary run (the expected values of ``canary_tests`` mutated, each at its site:
+        :mod:`.sandboxed.canary`). ``deadline_s``: the
         host stops the container after this long (a canary run's bound, from its ordinary run: the
         script inside keeps the ordinary timeout, so nothing the test user can see differs)."""
         command = self.command_for(task)
         files, nonce, report_nonce = grade_files(patch=patch, test_patch=task.test_patch or "",
                                                  hidden=touched_paths(task.test_patch), command=command,
                                                  timeout=self.options.test_timeout, gold=touched_paths(task.patch),
-                                                 tests=task.FAIL_TO_PASS if canary_tests is None else canary_tests,
+                                                 tests=canary_tests,
                                                  canary_seed=canary_seed)
         own_testbed = bool(task.repo_source)
         spec = SandboxSpec(

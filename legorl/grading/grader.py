@@ -53,12 +53,13 @@ from legorl.paths import cache_dir
 from legorl.sandbox.base import MAX_PATCH_BYTES, Sandbox, SandboxSpec
 from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
 
-GRADER_VERSION = "3"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
+GRADER_VERSION = "4"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
 MAX_LOG_CHARS = 200_000
 CONTROL_TTL_S = 600.0  # a control run that graded normally vouches for its task this long
 FAILING = frozenset({"FAILED", "ERROR"})  # what a canary must be in every patch's canary run
 # A canary run does the same work as the ordinary run it checks: the host gives it this much of that run's time.
 CANARY_TIME_FACTOR, CANARY_TIME_SLACK_S = 2.0, 60.0
+CANARY_TRIES = 2  # mutations drawn per test when a task's canaries are found (each try: a gold and an empty run)
 
 
 @dataclass
@@ -118,7 +119,7 @@ class Grader:
         self._lock = threading.Lock()
         self._references: dict[str, TestStatuses] = {}
         self._controls: dict[str, tuple[float, str]] = {}
-        self._canaries: dict[str, list[str]] = {}
+        self._canaries: dict[str, dict[str, dict[str, object]]] = {}
 
     # ------------------------------------------------------------------ the verdict
 
@@ -297,51 +298,71 @@ class Grader:
             out.tests = tests
         return True
 
-    def canaries(self, task: TaskRow, seed: str) -> list[str]:
-        """The task's canaries under ``seed`` (found once per task and seed, cached): the FAIL_TO_PASS
-        tests whose mutation the gold patch fails, and which the buggy code (the empty patch) fails
-        exactly where it fails the real test. A mutation the buggy code meets anywhere else — a row it
-        passes, an assertion before the bug — would fail a test that never ran through the patched
-        code, and code watching that would tell the canary run apart: such tests are left unmutated."""
+    def canaries(self, task: TaskRow, seed: str) -> dict[str, dict[str, object]]:
+        """The task's canaries under ``seed`` (found once per task and seed, cached): FAIL_TO_PASS test
+        id -> ``{"site", "salt"}``, the line where the buggy code fails the test and the salt of the
+        mutation kept. A canary is a test whose mutation the gold patch fails, and which the buggy code
+        (the empty patch) fails exactly where it fails the real test. A mutation the buggy code meets
+        anywhere else — a row it passes, an assertion before the bug, a mixin's method every subclass
+        runs — would fail a test that never ran through the patched code, and code watching that would
+        tell the canary run apart: such tests are left unmutated."""
         if not (task.patch or "").strip() or not task.FAIL_TO_PASS:
-            return []
+            return {}
         key = hashlib.sha256(f"{self._task_key(task)}\0{seed}".encode()).hexdigest()  # the task key covers the writer
         with self._lock:
             if key in self._canaries:
                 return self._canaries[key]
         path = cache_dir() / "grading" / "canaries" / f"{key}.json"
         try:
-            live = [str(n) for n in json.loads(path.read_text())]
-        except (OSError, ValueError, TypeError):
+            found = json.loads(path.read_text())
+            live = {str(n): dict(spec) for n, spec in found.items()}
+        except (OSError, ValueError, TypeError, AttributeError):
             live = self._find_canaries(task, seed)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(live))
+            tmp.write_text(json.dumps(live, sort_keys=True))
             os.replace(tmp, path)
         with self._lock:
             self._canaries[key] = live
         return live
 
-    def _find_canaries(self, task: TaskRow, seed: str) -> list[str]:
+    def _find_canaries(self, task: TaskRow, seed: str) -> dict[str, dict[str, object]]:
+        """Mutate every FAIL_TO_PASS test at its site, keep what passes the checks; retry the rest with
+        another salt (a drawn value can be what the buggy code returns, or out of a constructor's range)."""
         gold = self.reference(task)
-        gold_canary = self._clean_run(task, task.patch or "", "gold patch (canary run)", seed)
-        empty, empty_canary = self._clean_run(task, "", "empty patch"), self._clean_run(task, "", "empty patch (canary run)", seed)
         parse = get_parser(task.log_parser)
-        before, after = empty.statuses(parse).full, empty_canary.statuses(parse).full
-        where_before, where_after = empty.where, empty_canary.where
-
-        def unit(nodeid: str) -> str:  # what one mutation covers: a function (every class that has it), or one row
-            return nodeid.split("::")[-1]
-
-        seen_apart = {unit(n) for n in {*before, *after}
-                      if before.get(n) != after.get(n) or where_before.get(n) != where_after.get(n)}
-        live = []
-        for nodeid, status in gold_canary.statuses(parse).full.items():
+        empty = self._clean_run(task, "", "empty patch")
+        before, where_before = empty.statuses(parse).full, empty.where
+        sites = {}
+        for nodeid in task.FAIL_TO_PASS:
+            frames = where_before.get(nodeid)
             real = gold.status(nodeid) if gold is not None else None
-            if status in FAILING and (real or "MISSING") not in FAILING and before.get(nodeid) in FAILING \
-                    and unit(nodeid) not in seen_apart and where_before.get(nodeid):
-                live.append(nodeid)
-        return sorted(live)
+            if before.get(nodeid) in FAILING and (real or "MISSING") not in FAILING and isinstance(frames, list) \
+                    and frames and isinstance(frames[0], list):
+                sites[nodeid] = frames[0]
+
+        live: dict[str, dict[str, object]] = {}
+        for salt in range(CANARY_TRIES):
+            tried: dict[str, dict[str, object]] = {
+                **live, **{n: {"site": site, "salt": str(salt)} for n, site in sites.items() if n not in live}}
+            if len(tried) == len(live):
+                break
+            gold_canary = self._clean_run(task, task.patch or "", "gold patch (canary run)", seed, tried)
+            empty_canary = self._clean_run(task, "", "empty patch (canary run)", seed, tried)
+            after, where_after = empty_canary.statuses(parse).full, empty_canary.where
+            changed = [n for n in {*before, *after}
+                       if before.get(n) != after.get(n) or where_before.get(n) != where_after.get(n)]
+            statuses, mutated, negated = gold_canary.statuses(parse).full, gold_canary.mutated, gold_canary.negated
+            live = {}
+            for nodeid, spec in tried.items():
+                key = _mutation_of(nodeid, mutated)
+                # the buggy code passes a negated assertion: the canary itself may change, nothing else may
+                own = {n for n in tried if _mutation_of(n, {key: ""})} if key in negated else set()
+                if key and statuses.get(nodeid) in FAILING \
+                        and not any(_mutation_of(n, {key: ""}) for n in changed if n not in own):
+                    live[nodeid] = spec
+            sites = {n: site for n, site in sites.items() if _mutation_of(n, mutated)}  # nothing to mutate: no retry
+        return dict(sorted(live.items()))
 
     def canary_seed(self, task: TaskRow) -> str:
         """The task's canary seed: a keyed hash of the task under a secret kept on this host (0600), so
@@ -401,9 +422,10 @@ class Grader:
         """Every test's status with ``patch`` applied; GradingInfraError unless the run is clean."""
         return self._clean_run(task, patch, what).statuses(get_parser(task.log_parser)).full
 
-    def _clean_run(self, task: TaskRow, patch: str, what: str, canary_seed: str | None = None) -> Run:
+    def _clean_run(self, task: TaskRow, patch: str, what: str, canary_seed: str | None = None,
+                   canary_tests: dict[str, dict[str, object]] | None = None) -> Run:
         """One run of a patch of the task's own (gold, empty); GradingInfraError unless it is clean."""
-        run, nonce = self.containers.run(task, patch, canary_seed=canary_seed)
+        run, nonce = self.containers.run(task, patch, canary_seed=canary_seed, canary_tests=canary_tests)
         if "applied" not in run.events:
             if "apply_failed" in run.events:
                 raise GradingInfraError(f"task {task.instance_id}: its {what} does not apply")
@@ -438,6 +460,16 @@ class Grader:
         return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()
 
     # ------------------------------------------------------------------ one container
+
+def _mutation_of(nodeid: str, mutated: dict[str, str]) -> str | None:
+    """Which of a canary run's mutations (:mod:`.sandboxed.canary`'s keys) a test runs: its row's own
+    value (``name[id]``), else its function's body (``name``: every row, and every class that has it)."""
+    last = nodeid.split("::")[-1]
+    for key in (last, last.partition("[")[0]):
+        if key in mutated:
+            return key
+    return None
+
 
 def _patch_problem(patch: str) -> str | None:
     """Why a patch cannot even be handed to the container (None: it can)."""

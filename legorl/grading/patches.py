@@ -142,3 +142,24 @@ def touched_paths(patch: str | None) -> list[str]:
         for p in fp.paths:
             out[p] = None
     return list(out)
+
+
+def added_lines(patch: str | None) -> dict[str, list[int]]:
+    """For each file a patch leaves, the line numbers (in the new file) of the lines it adds."""
+    out: dict[str, list[int]] = {}
+    for fp in split_patch(patch or ""):
+        if fp.new_path is None:
+            continue
+        lines = out.setdefault(fp.new_path, [])
+        number = 0
+        in_hunk = False
+        for line in fp.text.splitlines():
+            m = _HUNK.match(line)
+            if m:
+                number, in_hunk = int(m.group(3)), True
+            elif in_hunk and line.startswith("+"):
+                lines.append(number)
+                number += 1
+            elif in_hunk and line[:1] in (" ", ""):
+                number += 1
+    return out

@@ -35,11 +35,13 @@ import secrets
 import shlex
 import tarfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from legorl.grading.logparse import END_MARKER, EXIT_CODE_MARKER, START_MARKER  # SWE-bench's, for its tools
+from legorl.grading.patches import added_lines
 
 WORK = "/tmp/.legorl-grade"  # root-only (0700): the script, its inputs, the pristine copy
 RUNNER_DIR = "/tmp/.legorl-runner"  # root-owned, readable: the runner the test user runs
@@ -206,12 +208,13 @@ def bundle(files: dict[str, str]) -> bytes:
 
 
 def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str, timeout: float,
-                gold: list[str] | None = None, tests: list[str] | None = None,
+                gold: list[str] | None = None, tests: Mapping[str, object] | None = None,
                 canary_seed: str | None = None) -> tuple[dict[str, str], str, str]:
     """The files of one grade (script, judge, runner, canary writer, patches), and its two nonces.
 
-    With ``canary_seed`` the run is a canary run: the ``tests`` have their expected values mutated (:mod:`.sandboxed.canary`); everything else, what the test user can see
-    included, is the same as an ordinary run's."""
+    With ``canary_seed`` the run is a canary run: the ``tests`` (test id -> its site and salt) have
+    their expected values mutated (:mod:`.sandboxed.canary`); everything else, what the test user can
+    see included, is the same as an ordinary run's."""
     nonce, report_nonce = secrets.token_hex(16), secrets.token_hex(16)
     script = grading_script(nonce, report_nonce, has_patch=bool(patch.strip()), has_test_patch=bool(test_patch.strip()),
                             command=command, timeout=timeout)
@@ -221,7 +224,7 @@ def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str,
         "runner.py": _sandboxed("runner.py"),
         "canary.py": _sandboxed("canary.py"),
         "canary.json": json.dumps({"tree": "/testbed", "files": [h for h in hidden if h.endswith(".py")],
-                                   "tests": tests or [],
+                                   "tests": dict(tests or {}), "added": added_lines(test_patch),
                                    "seed": canary_seed or "", "mutate": canary_seed is not None}),
         "judge.json": json.dumps({"tree": "/testbed", "pristine": f"{WORK}/pristine", "hidden": hidden,
                                   "changes": f"{WORK}/changes.json", "gold": gold or []}),

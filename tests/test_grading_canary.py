@@ -1,0 +1,261 @@
+"""Where the canary writer mutates a hidden test (legorl.grading.sandboxed.canary), without containers.
+
+Each case is a test file, the test's site (the line where the buggy code fails it) and the lines the
+test patch added; the writer must mutate an expected value in the statement at the site, on an added
+line, and nothing else. Whether a mutation makes a usable canary is the grader's check on real runs
+(tests/test_grading_honest.py and the attack suites); here: that the writer picks the right place.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from legorl.grading.patches import added_lines
+from legorl.grading.sandboxed import canary
+
+PATH = "tests/test_x.py"
+
+
+def _plan(source: str, nodeid: str, line: int, added: list[int] | None = None, salt: str = "0") -> dict[str, str]:
+    """The writer's mutations of ``source`` for one test, as ``{key: "line: old -> new"}``."""
+    text = textwrap.dedent(source).encode()
+    src = text.split(b"\n")
+    every = list(range(1, len(src) + 1))
+    wanted = canary.targets({f"{PATH}::{nodeid}": {"site": [PATH, line], "salt": salt}})
+    plan = canary.plan_file(text, wanted.get(PATH, {}), "seed", PATH, every if added is None else added)
+    out = {}
+    for key, mutation in plan.items():
+        index, start, end, new = mutation.edit
+        out[key] = f"{index + 1}: {src[index][start:end].decode()} -> {new}" + (" (negated)" if mutation.negated else "")
+        mutated = canary.apply_edits(text, [mutation.edit])
+        assert mutated != text and ast.parse(mutated), key
+    return out
+
+
+def _line(out: dict[str, str], key: str) -> int:
+    return int(out[key].split(":")[0])
+
+
+def test_the_assertion_at_the_site_is_mutated_never_an_earlier_one() -> None:
+    source = """\
+        def test_numbers():
+            assert parse("1") == 1
+            assert parse("2") == 2
+            assert parse("30") == 30
+        """
+    for _ in range(3):
+        out = _plan(source, "test_numbers", 3)
+        assert set(out) == {"test_numbers"} and _line(out, "test_numbers") == 3, out
+        assert out["test_numbers"].startswith("3: 2 -> "), "the input of the call under test was mutated"
+
+
+def test_a_line_the_test_patch_did_not_add_is_left_alone() -> None:
+    source = """\
+        def test_numbers():
+            assert parse("2") == 2
+        """
+    assert _plan(source, "test_numbers", 2, added=[1]) == {}
+    assert _plan(source, "test_numbers", 2, added=[2])
+
+
+def test_a_helper_call_mutates_the_argument_its_helper_compares_against() -> None:
+    source = """\
+        from datetime import datetime
+
+        def test_datetimes():
+            def y(fmt, s, e, tz=None):
+                r = parse(fmt, s)
+                assert r == e
+                assert tz is None or r.tzinfo == tz
+
+            y("{:ti}", "1997-07-16", datetime(1997, 7, 16))
+            y(
+                "{:ti}",
+                "2011-11-21",
+                datetime(2011, 11, 21, tzinfo=utc),
+            )
+        """
+    out = _plan(source, "test_datetimes", 10)
+    assert _line(out, "test_datetimes") == 13, out  # the constructor's arguments, never the inputs on 11-12
+    old, new = out["test_datetimes"].split(": ")[1].split(" -> ")
+    assert abs(int(new) - int(old)) == 1, "a constructor's number is only nudged"
+
+
+def test_a_method_helper_called_on_self() -> None:
+    source = """\
+        class T:
+            def check(self, text, expected):
+                self.assertEqual(parse(text), expected)
+
+            def test_it(self):
+                self.check("a", "A")
+                self.check("b", "B")
+        """
+    out = _plan(source, "T::test_it", 7)
+    assert _line(out, "test_it") == 7 and '"B" -> ' in out["test_it"], out
+
+
+def test_the_expected_exception_of_pytest_raises() -> None:
+    source = """\
+        import pytest
+
+        def test_bad():
+            with pytest.raises(ValueError, match="minute"):
+                parse("12:60")
+        """
+    out = _plan(source, "test_bad", 4)
+    new = out["test_bad"].split(" -> ")[1]
+    assert new in canary.EXCEPTIONS and new != "ValueError"
+    other = getattr(builtins, new)
+    assert not issubclass(ValueError, other) and not issubclass(other, ValueError)
+
+
+def test_a_local_bound_once_is_the_expected_value() -> None:
+    source = """\
+        def test_bump():
+            v = parse_version_info("3.4.5")
+            expected = parse_version_info("3.4.6-rc.1")
+            assert v.bump_prerelease() == expected
+            assert v.compare(expected) == -1
+        """
+    out = _plan(source, "test_bump", 4)
+    assert _line(out, "test_bump") == 3, out  # the expected value's line, never v's input on line 2
+
+
+def test_a_parametrized_row_with_its_own_id_mutates_its_own_value() -> None:
+    source = """\
+        import pytest
+
+        @pytest.mark.parametrize(
+            "value, expected",
+            [("#fff", (255, 255, 255)), ("#000", (0, 0, 0))],
+            ids=["white", "black"],
+        )
+        def test_hex(value, expected):
+            assert parse_hex(value) == expected
+
+        @pytest.mark.parametrize("value, expected", [pytest.param("#fff", "white", id="w")])
+        def test_name(value, expected):
+            assert name(value) == expected
+        """
+    out = _plan(source, "test_hex[black]", 9)
+    assert set(out) == {"test_hex[black]"} and out["test_hex[black]"].startswith("5: 0 -> "), out
+    out = _plan(source, "test_name[w]", 13)
+    assert set(out) == {"test_name[w]"} and '"white" -> ' in out["test_name[w]"] and "value" not in out["test_name[w]"], out
+
+
+def test_a_row_whose_id_shows_its_value_is_never_renamed() -> None:
+    """pytest names the row after a plain value: a new value would rename the test (a canary run
+    anyone can tell apart), so the writer falls back to the body every row shares."""
+    source = """\
+        import pytest
+
+        @pytest.mark.parametrize("version, expected", [("2.3.7", True), ("2.3.8", False)])
+        def test_match(version, expected):
+            assert match(version, ">=2.3.7") is expected
+        """
+    out = _plan(source, "test_match[2.3.7-True]", 5)
+    assert out == {"test_match": "5: is -> is not (negated)"}, out  # the grader keeps it only if no other row changes
+
+
+def test_classes_of_one_file_with_a_function_of_the_same_name() -> None:
+    source = """\
+        class A:
+            def test_info(self):
+                self.assertEqual(info(), (1, 2, 2))
+
+        class B:
+            def test_info(self):
+                self.assertEqual(info(), (1, 2, 9))
+        """
+    out = _plan(source, "B::test_info", 7)
+    assert _line(out, "test_info") == 7, out
+
+
+def test_every_salt_draws_its_own_mutation_and_each_is_reproducible() -> None:
+    source = "def test_s():\n    assert f() == 'abcdef'\n" + "".join(f"X{i} = 'word{i}'\n" for i in range(20))
+    draws = {salt: _plan(source, "test_s", 2, salt=salt)["test_s"] for salt in map(str, range(6))}
+    assert len(set(draws.values())) > 1
+    assert draws == {salt: _plan(source, "test_s", 2, salt=salt)["test_s"] for salt in map(str, range(6))}
+
+
+def test_a_site_outside_the_function_or_in_another_file_mutates_nothing() -> None:
+    source = """\
+        def test_a():
+            assert f() == 1
+
+        def test_b():
+            assert g() == 2
+        """
+    assert _plan(source, "test_a", 5) == {}
+    wanted = canary.targets({f"{PATH}::test_a": {"site": ["tests/other.py", 2], "salt": "0"}})
+    assert canary.plan_file(textwrap.dedent(source).encode(), wanted[PATH], "seed", PATH, [1, 2]) == {}
+
+
+@pytest.mark.parametrize(("line", "negated"), [
+    ("assert not old.is_compatible(new)", "assert old.is_compatible(new)"),
+    ("assert old.is_compatible(new)", "assert not old.is_compatible(new)"),
+    ("assert match(v) is expected", "assert match(v) is not expected"),
+    ("assert 1 not in cache", "assert 1 in cache"),
+    ("assert color(v) == hex_to_rgb(v)", "assert color(v) != hex_to_rgb(v)"),
+    ("self.assertNotIn(1, cache)", "self.assertIn(1, cache)"),
+    ("self.assertTrue(cache.full)", "self.assertFalse(cache.full)"),
+])
+def test_an_assertion_with_no_expected_value_is_negated(line: str, negated: str) -> None:
+    """Any code that passes an assertion fails its negation; used only where nothing at the site can be changed."""
+    text = f"def test_it():\n    {line}\n".encode()
+    plan = canary.plan_file(text, canary.targets({f"{PATH}::test_it": {"site": [PATH, 2], "salt": "0"}})[PATH],
+                            "seed", PATH, [1, 2])
+    assert plan["test_it"].negated
+    assert canary.apply_edits(text, [plan["test_it"].edit]).decode() == f"def test_it():\n    {negated}\n"
+
+
+def test_an_expected_value_is_preferred_to_a_negation() -> None:
+    out = _plan("def test_it():\n    assert f(1) == 2\n", "test_it", 2)
+    assert "(negated)" not in out["test_it"], out
+
+
+def test_added_lines_are_the_new_files_line_numbers() -> None:
+    diff = textwrap.dedent("""\
+        diff --git a/tests/test_x.py b/tests/test_x.py
+        --- a/tests/test_x.py
+        +++ b/tests/test_x.py
+        @@ -1,3 +1,4 @@
+         def test_a():
+        -    assert f() == 1
+        +    assert f() == 2
+        +    assert g() == 3
+
+        @@ -10,2 +11,3 @@
+         x = 1
+        +y = 2
+         z = 3
+        """)
+    assert added_lines(diff) == {"tests/test_x.py": [2, 3, 12]}
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_the_writer_script_rewrites_files_in_place(tmp_path: Path, mutate: bool) -> None:
+    """The container's entry point: same inode in both runs, the content changed only in a canary run."""
+    test = tmp_path / "tests" / "test_x.py"
+    test.parent.mkdir()
+    test.write_text("def test_a():\n    assert f() == 1\n")
+    inode = test.stat().st_ino
+    spec = {"tree": str(tmp_path), "files": ["tests/test_x.py"], "seed": "s", "mutate": mutate,
+            "tests": {"tests/test_x.py::test_a": {"site": ["tests/test_x.py", 2], "salt": "0"}},
+            "added": {"tests/test_x.py": [1, 2]}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    out = subprocess.run([sys.executable, "-I", canary.__file__, str(tmp_path / "spec.json")],
+                         capture_output=True, text=True, check=True).stdout
+    assert test.stat().st_ino == inode
+    changed = test.read_text() != "def test_a():\n    assert f() == 1\n"
+    assert changed is mutate
+    assert json.loads(out) == {"mutated": {"test_a": "tests/test_x.py:2"} if mutate else {}, "negated": []}
