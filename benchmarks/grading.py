@@ -1,7 +1,11 @@
 """Grading wall time and throughput: legorl vs the official SWE-bench harness, same tasks, same
 concurrency, same podman.
 
-    .venv/bin/python benchmarks/grading.py [--tasks N] [--concurrency C] [--repeats R]
+    .venv/bin/python benchmarks/grading.py [--tasks N] [--concurrency C] [--repeats R] [--against no-canaries]
+
+``--against no-canaries`` compares legorl with itself, its canary run off (``GradeOptions.canaries``):
+what checking every pass costs. The gold patch passes every task, so this is the cost for a batch of
+passes; a failing grade has no canary run.
 
 Both grade the gold patch of the same N shipped tasks (examples/tasks), C at a time, R times each,
 alternating which goes first (the host is shared: the load average is printed next to each run).
@@ -161,7 +165,8 @@ def run_swebench(tasks: list[TaskRow], images: dict[str, str], concurrency: int,
     return wall, resolved
 
 
-def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path, run_id: str = "run") -> tuple[float, dict[str, bool]]:
+def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path, run_id: str = "run",
+               canaries: bool = True) -> tuple[float, dict[str, bool]]:
     from legorl import shards
     from legorl.grading.grader import GradeOptions
     from legorl.schemas import Kind
@@ -174,9 +179,15 @@ def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path, run_id: st
 
     for t in tasks:
         prepare_repo(t.repo_source or "", t.base_commit or "")
+    if canaries:  # found once per task and cached on disk, as the gold reference is
+        from legorl.grading.grader import Grader
+
+        grader = Grader(GradeOptions(test_timeout=600))
+        for t in tasks:
+            grader.canaries(t, grader.canary_seed(t))
     start = time.monotonic()
     summary = grade_stage(tasks_dir, workdir / run_id / "grades", gold_jobs({t.instance_id: t for t in tasks}),
-                          GradeOptions(concurrency=concurrency, test_timeout=600))
+                          GradeOptions(concurrency=concurrency, test_timeout=600, canaries=canaries))
     wall = time.monotonic() - start
     return wall, {r.task_id: bool(r.resolved) for r in summary.rows}
 
@@ -186,6 +197,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--against", choices=("swebench", "no-canaries"), default="swebench")
     args = parser.parse_args()
 
     from legorl.sandbox.host import base_image, podman_env, require_image
@@ -195,27 +207,30 @@ def main() -> None:
     tasks = load_tasks(args.tasks)
     workdir = Path(tempfile.mkdtemp(prefix="legorl-bench-grading-"))
     server = None
-    walls: dict[str, list[float]] = {"swebench": [], "legorl": []}
+    other = args.against
+    walls: dict[str, list[float]] = {other: [], "legorl": []}
     verdicts: dict[str, dict[str, bool]] = {}
     try:
-        print(f"{len(tasks)} tasks, concurrency {args.concurrency}; building SWE-bench instance images (untimed)...",
-              flush=True)
-        images = build_instance_images(tasks, base)
-        server, socket = start_socket(workdir)
-        os.environ.update({"DOCKER_HOST": socket, "CONTAINERS_CONF": podman_env()["CONTAINERS_CONF"]})
-        os.environ["PATH"] = f"{docker_shim(workdir)}:{os.environ['PATH']}"
+        if other == "swebench":
+            print(f"{len(tasks)} tasks, concurrency {args.concurrency}; building SWE-bench instance images (untimed)...",
+                  flush=True)
+            images = build_instance_images(tasks, base)
+            server, socket = start_socket(workdir)
+            os.environ.update({"DOCKER_HOST": socket, "CONTAINERS_CONF": podman_env()["CONTAINERS_CONF"]})
+            os.environ["PATH"] = f"{docker_shim(workdir)}:{os.environ['PATH']}"
         for rep in range(args.repeats):
-            order = ["swebench", "legorl"] if rep % 2 == 0 else ["legorl", "swebench"]
+            order = [other, "legorl"] if rep % 2 == 0 else ["legorl", other]
             for name in order:
                 load = os.getloadavg()[0]
                 if name == "swebench":
                     wall, ok = run_swebench(tasks, images, args.concurrency, workdir, run_id=f"bench{rep}")
                 else:
-                    wall, ok = run_legorl(tasks, args.concurrency, workdir, run_id=f"run{rep}")
+                    wall, ok = run_legorl(tasks, args.concurrency, workdir, run_id=f"{name}{rep}",
+                                          canaries=name == "legorl")
                 walls[name].append(wall)
                 if verdicts.setdefault(name, ok) != ok:
                     print(f"{name}: verdicts changed between repeats: {ok}", file=sys.stderr)
-                print(f"  repeat {rep + 1}: {name:9} {wall:6.1f} s  ({sum(ok.values())}/{len(ok)} resolved, "
+                print(f"  repeat {rep + 1}: {name:11} {wall:6.1f} s  ({sum(ok.values())}/{len(ok)} resolved, "
                       f"load {load:.1f})", flush=True)
     finally:
         if server is not None:
@@ -224,18 +239,18 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     n = len(tasks)
     print(f"{'':12} {'min s':>8} {'median s':>9} {'s/task':>8} {'tasks/min':>10} {'resolved':>9}")
-    for name in ("swebench", "legorl"):
+    for name in (other, "legorl"):
         best, med = min(walls[name]), statistics.median(walls[name])
         print(f"{name:12} {best:8.1f} {med:9.1f} {med / n:8.2f} {60 * n / med:10.1f} "
               f"{sum(verdicts[name].values()):>5}/{n}")
-    ratio_med = statistics.median(walls["swebench"]) / statistics.median(walls["legorl"])
-    ratio_min = min(walls["swebench"]) / min(walls["legorl"])
+    ratio_med = statistics.median(walls[other]) / statistics.median(walls["legorl"])
+    ratio_min = min(walls[other]) / min(walls["legorl"])
     # each repeat runs the two back to back, so a repeat's own ratio is the least load-sensitive
-    paired = sorted(s / legorl for s, legorl in zip(walls["swebench"], walls["legorl"], strict=True))
-    print(f"ratio (legorl throughput / swebench throughput): {ratio_med:.2f}x median, {ratio_min:.2f}x best; "
+    paired = sorted(s / legorl for s, legorl in zip(walls[other], walls["legorl"], strict=True))
+    print(f"ratio (legorl throughput / {other} throughput): {ratio_med:.2f}x median, {ratio_min:.2f}x best; "
           f"per repeat {', '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f}x)")
-    if verdicts["swebench"] != verdicts["legorl"]:
-        print(f"verdicts differ: swebench {verdicts['swebench']} legorl {verdicts['legorl']}", file=sys.stderr)
+    if verdicts[other] != verdicts["legorl"]:
+        print(f"verdicts differ: {other} {verdicts[other]} legorl {verdicts['legorl']}", file=sys.stderr)
         sys.exit(1)
 
 

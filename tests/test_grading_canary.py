@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from legorl.grading.grader import halves
 from legorl.grading.patches import added_lines
 from legorl.grading.sandboxed import canary
 
@@ -259,3 +260,19 @@ def test_the_writer_script_rewrites_files_in_place(tmp_path: Path, mutate: bool)
     changed = test.read_text() != "def test_a():\n    assert f() == 1\n"
     assert changed is mutate
     assert json.loads(out) == {"mutated": {"test_a": "tests/test_x.py:2"} if mutate else {}, "negated": []}
+
+
+def test_the_two_runs_split_the_canaries_by_function_and_by_the_secret_seed() -> None:
+    """Every row and class of one test function lands on one side (they may share one mutation), the
+    split is the seed's (the same for every grade of a task), and seeds differ in how they split."""
+    canaries = {f"{PATH}::{cls}::test_{name}{row}": {"site": [PATH, 1], "salt": "0"}
+                for name in "abcdefgh" for cls in ("A", "B") for row in ("", "[x]", "[y]")}
+    splits = set()
+    for seed in map(str, range(8)):
+        first, second = halves(canaries, seed)
+        assert set(first) | set(second) == set(canaries) and not set(first) & set(second)
+        assert halves(canaries, seed) == (first, second)
+        sides = {n.split("::")[-1].partition("[")[0]: n in first for n in canaries}
+        assert all((n in first) == sides[n.split("::")[-1].partition("[")[0]] for n in canaries)
+        splits.add(frozenset(first))
+    assert len(splits) > 4

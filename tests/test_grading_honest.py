@@ -2,8 +2,9 @@
 
 A reward that zeroes ordinary code teaches a policy to avoid it, so this is the grader's other half
 beside the attack suites: every variant here is the task's gold patch plus code a fix may well carry
-(standard-library imports used the usual way, a helper module, type hints, ``__future__``, logging,
-a lock, a dataclass, a cache, a new test file, documentation). Each must score 1 on every task,
+(standard-library imports used the usual way — inspect, pkgutil, base64, subprocess, importlib among
+them — a helper module, type hints, ``__future__``, logging, a lock, a dataclass, a cache, a new test
+file, documentation). Each must score 1 on every task,
 whether a canary run checks the pass (its canaries all failing) or the task has none.
 
 The default run grades the four repositories' attacked tasks; ``LEGORL_HONEST_TASKS=all`` grades every
@@ -69,6 +70,32 @@ with _lock:
 '''
 
 
+MORE_STDLIB = '''
+import base64
+import codecs
+import importlib
+import subprocess
+import sys
+import zlib
+from os import path as _path
+
+
+def _packed(data: bytes) -> str:
+    return base64.b64encode(zlib.compress(codecs.encode(data.decode(), "utf-8"))).decode()
+
+
+def _git_version() -> str:
+    try:
+        return subprocess.run(["git", "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return ""
+
+
+def _module_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None and _path.sep in (sys.prefix + _path.sep)
+'''
+
+
 def _gold_files(tree: Tree, task: TaskRow) -> dict[str, str]:
     """The files the gold patch changes, as it leaves them."""
     tree.git("reset", "-q", "--hard")
@@ -113,6 +140,7 @@ def _variants(tree: Tree, task: TaskRow) -> dict[str, str]:
     makers: dict[str, Callable[[], dict[str, str]]] = {
         "gold": lambda: gold,
         "stdlib-uses": lambda: {**gold, mod: gold[mod] + STDLIB_USES},
+        "more-stdlib": lambda: {**gold, mod: gold[mod] + MORE_STDLIB},
         "import-inspect": lambda: {**gold, mod: _insert_at_top(gold[mod], "import inspect\n")},
         "import-pkgutil": lambda: {**gold, mod: _insert_at_top(gold[mod], "import pkgutil\n")},
         "future-annotations": lambda: {**gold, mod: _insert_at_top(
@@ -173,8 +201,6 @@ def test_every_honest_variant_scores_1_where_a_canary_run_checks(graded: dict[st
         assert all(c.endswith((": FAILED", ": ERROR")) for c in row.canaries), f"{key}: {row.canaries}"
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 24): a task with no canary falls back to the in-process "
-                   "tripwires, which zero honest stdlib imports (inspect, pkgutil)")
 def test_every_honest_variant_scores_1_where_no_canary_run_checks(graded: dict[str, GradeRow | str]) -> None:
     checked = _checked(graded)
     wrong = {key: describe(row) for key, row in graded.items()

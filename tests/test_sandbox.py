@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from platform import machine as platform_machine
 
 import pytest
 
@@ -153,6 +154,28 @@ def test_no_sandbox_gets_a_network(image: str) -> None:
         PodmanBackend().create(SandboxSpec(image=image, network=True))
     args = PodmanBackend().run_args(SandboxSpec(image=image), "x")
     assert [a for a in args if a in ("--network", "none")] == ["--network", "none"]
+
+
+KEYRING_PROBE = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_DESCRIBE = 1, 6
+keyring = libc.syscall(250, ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_char_p(b"legorl-probe"))
+print("keyring", keyring, ctypes.get_errno())
+"""
+
+
+def test_containers_share_no_kernel_keyring(image: str) -> None:
+    """Keyrings are the kernel's, per uid, not per container: a named one joined in one container is
+    there in the next (a red team carried what the ordinary grading run saw into its canary run so).
+    The sandbox's seccomp profile denies the keyring calls, as Docker's default does."""
+    backend = PodmanBackend()
+    if platform_machine() != "x86_64":
+        pytest.skip("the probe calls keyctl by its x86_64 number")
+    for _ in range(2):
+        res = backend.run_once(SandboxSpec(image=image), ["python3", "-c", KEYRING_PROBE], stdin=b"", timeout=60)
+        keyring, errno = (int(x) for x in res.output.split()[1:3])
+        assert keyring == -1 and errno in (1, 38), res.output  # EPERM or ENOSYS: refused
 
 
 def test_fork_bomb_is_contained(image: str) -> None:

@@ -29,6 +29,7 @@ from legorl.grading.script import (
     parse_pytest_command,
     read_events,
 )
+from legorl.sandbox import pagecache
 from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
 from legorl.schemas import TaskRow
 
@@ -226,6 +227,8 @@ class GradingContainers:
             tmpfs=((("/testbed", "size=2g,mode=755"),) if own_testbed else ()) + (("/tmp", "size=2g,mode=1777"),),
         )
         stdin = (self._testbed_tar(task) if own_testbed else b"") + bundle(files)
+        # every page of the image cached, whatever the last grade's code loaded or evicted (pagecache.py)
+        pagecache.warm(spec.image)
         timeout = self.options.test_timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
         if deadline_s is not None:
             timeout = min(timeout, deadline_s)

@@ -10,14 +10,15 @@ changes prints. So the grader
   as that user, and takes each test's status from the runner's report, read by root after every
   process of that user is dead, never from the log;
 - judges each test against the status the gold patch reaches (:mod:`.report`);
-- trusts a pass only when a **canary run** agrees: the same patch in a second fresh container, the
-  same in everything the test process can see except that the listed tests' expected values are
-  mutated (:mod:`.sandboxed.canary`). The gold patch fails those canaries; so does every honest
-  patch. A patch whose code makes a canary pass has forged the run (``tampered``, 0), however it did
-  it — the code under test runs in the test process and can rewire anything there, so what it
-  reports is a claim, and the canaries are what check the claim. The runner's in-process checks and
-  the judge's screen are tripwires: evidence on the row (``suspicious``), deciding nothing where
-  the task has canaries (where it has none, a pass they flag scores 0 as ``suspicious``);
+- trusts a pass only when **canaries** agree: tests whose expectation is mutated at the place the
+  buggy code fails them (:mod:`.sandboxed.canary`), split by a host secret between the grade's two
+  runs — each run mutates its half and checks the other half's real pass, so neither run is the
+  ordinary one. The gold patch fails every canary; so does every honest patch. A patch whose code
+  makes a canary pass has forged the run (``tampered``, 0), however it did it — the code under test
+  runs in the test process and can rewire anything there, so what it reports is a claim, and the
+  canaries are what check the claim. The runner's in-process checks and the judge's screen are
+  tripwires: evidence on the row (``suspicious``), deciding nothing where the task has canaries
+  (where it has none, a pass the runner's own tripwires flag scores 0);
 - labels a grade infrastructure only from signals outside the patch's reach: a failure before the
   patch went in (image, container, testbed), or a failure after it that a **control run** (the
   gold patch, else the empty one, in the same conditions) repeats. Any other failure after the
@@ -56,8 +57,8 @@ from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
 GRADER_VERSION = "4"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
 MAX_LOG_CHARS = 200_000
 CONTROL_TTL_S = 600.0  # a control run that graded normally vouches for its task this long
-FAILING = frozenset({"FAILED", "ERROR"})  # what a canary must be in every patch's canary run
-# A canary run does the same work as the ordinary run it checks: the host gives it this much of that run's time.
+FAILING = frozenset({"FAILED", "ERROR"})  # what a canary must be in every run that mutates it
+# A pass's second run does the same work as its first: the host gives it this much of that run's time.
 CANARY_TIME_FACTOR, CANARY_TIME_SLACK_S = 2.0, 60.0
 CANARY_TRIES = 2  # mutations drawn per test when a task's canaries are found (each try: a gold and an empty run)
 
@@ -77,11 +78,13 @@ class GradeOptions:
         "Re-run a grade of 1 in a fresh container before trusting it: a pass the rerun does not reproduce "
         "scores 0 (confirmed false); a rerun that fails as infrastructure makes the grade infrastructure.")})
     canaries: bool = field(default=True, metadata={"help": (
-        "Check every pass with a canary run (the same patch, the listed tests' expected values mutated): a "
-        "patch that passes a canary forged the run (tampered, 0). Off: only the in-process tripwires stand.")})
+        "Mutate the task's canaries (tests every honest patch fails once their expectation is changed), half "
+        "in each of a pass's two runs: a patch that passes a canary forged the run (tampered, 0). Off: one run, "
+        "and only the in-process tripwires stand.")})
     labels: dict[str, str] = field(default_factory=dict)
     run_empty: bool = False  # also run the tests for an empty patch (task validation)
-    # Where no canary run checks a pass: False lets a pass the tripwires flag keep its reward (findings still recorded)
+    # Harbor tasks (their test.sh decides; no runner, no canaries): False lets a pass the screen flags keep
+    # its reward (findings still recorded)
     suspicious_scores_zero: bool = True
 
     def __post_init__(self) -> None:
@@ -201,7 +204,9 @@ class Grader:
             harbor.grade(self, task, text, out)
             return
         reference = self.reference(task)
-        run, report_nonce = self.containers.run(task, text)
+        seed = self.canary_seed(task) if self.options.canaries else None
+        first, second = halves(self.canaries(task, seed), seed) if seed is not None else ({}, {})
+        run, report_nonce = self.containers.run(task, text, canary_seed=seed, canary_tests=first)
         out.log = run.result.output
         if "apply_failed" in run.events:
             self._zero(out, GradeStatus.PATCH_APPLY_FAILED, "the patch did not apply by any method", task)
@@ -220,7 +225,8 @@ class Grader:
             self._failed_after_patch(task, out, failure)
             return
         statuses = run.statuses(get_parser(task.log_parser))
-        report = evaluate(statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS, reference)
+        report = evaluate(statuses, [n for n in task.FAIL_TO_PASS if n not in first],
+                          [n for n in task.PASS_TO_PASS if n not in first], reference)
         out.tests = report.tests
         code = run.tests_exit_code
         if code in (124, 137):
@@ -232,16 +238,19 @@ class Grader:
                        "failing test", task)
             return
         out.reward, out.resolved, out.resolution = report.reward, report.resolved, report.resolution
-        if not report.resolved:
+        if self._canaries_passed(statuses, first, out, task, bool(report.resolved)) or not report.resolved:
+            if not report.resolved and out.dropped_paths and not out.error:
+                out.error = f"the tests did not pass; put back: {', '.join(out.dropped_paths[:5])}"
             return
-        checked = self.options.canaries and self._canary_check(task, text, out, run.result.duration_s)
-        if not checked and run.runner_findings:  # no canary: the runner's own check decides, as before the canaries
+        if first or second:
+            self._second_run(task, text, out, run.result.duration_s, first, second)
+            return
+        # No canary: the runner's behavioural tripwires decide (the screen's findings stay evidence: it
+        # reads names, and honest code imports inspect or base64)
+        if run.runner_findings:
             self._zero(out, GradeStatus.TESTS_ERRORED, "the code under test rewired the test runner ("
                        + ", ".join(run.runner_findings)[:300] + ")", task)
             return
-        if not checked and out.suspicious and self.options.suspicious_scores_zero:
-            out.status, out.reward, out.resolved, out.resolution = GradeStatus.SUSPICIOUS, 0.0, False, Resolution.NO
-            out.error = f"the tests passed, but the patch's code reaches into the test runner ({out.suspicious[0]})"
 
     def _failed_after_patch(self, task: TaskRow, out: GradeRow, failure: str) -> None:
         """A run that broke after the patch went in: the patch's 0, unless the control run breaks too."""
@@ -252,51 +261,53 @@ class Grader:
         out.control = "the task's control patch graded normally in the same conditions"
         self._zero(out, GradeStatus.TESTS_ERRORED, failure, task)
 
-    # ------------------------------------------------------------------ the canary run
+    # ------------------------------------------------------------------ the canaries
 
-    def _canary_check(self, task: TaskRow, patch: str, out: GradeRow, spent_s: float) -> bool:
-        """Check a pass with a canary run; False when the task has no canary (nothing was checked).
+    def _canaries_passed(self, statuses: TestStatuses, canaries: dict[str, dict[str, object]], out: GradeRow,
+                         task: TaskRow, resolved: bool = True) -> bool:
+        """Record a run's canaries on the row; True (the grade made ``tampered``) if one did not fail. In a
+        run that did not pass anyway, a canary that is missing (a patch that breaks collection) is no
+        evidence; in one that passed, missing is as good as passed."""
+        seen = {n: statuses.status(n) or "MISSING" for n in canaries}
+        out.canaries += [f"{n}: {st}" for n, st in seen.items()]
+        passed = [n for n, st in seen.items() if st not in FAILING and (resolved or st != "MISSING")]
+        if passed:
+            tests = out.tests
+            self._zero(out, GradeStatus.TAMPERED, f"{len(passed)} of {len(canaries)} canaries did not fail (a test "
+                       f"every honest patch fails; its expectation was mutated): {', '.join(passed[:3])}", task)
+            out.tests = tests
+        return bool(passed)
 
-        The canary run is this patch again in a fresh container, the task's canaries mutated by a seed
-        the container's test user never sees (:meth:`canaries`). Each canary must fail (else
-        ``tampered``), and every other listed test must reach what the gold patch reaches (else the
-        pass did not reproduce). A canary run that breaks is judged as any run after the patch went
-        in: the patch's doing unless the control run fails too."""
-        seed = self.canary_seed(task)
-        live = self.canaries(task, seed)
-        if not live:
-            return False
-        run, nonce = self.containers.run(task, patch, canary_seed=seed, canary_tests=live,
+    def _second_run(self, task: TaskRow, patch: str, out: GradeRow, spent_s: float,
+                    first: dict[str, dict[str, object]], second: dict[str, dict[str, object]]) -> None:
+        """Check a pass with the second run: this patch again in a fresh container, the canaries the
+        first run left alone mutated (:func:`halves`). Its canaries must fail (else ``tampered``), and
+        every other listed test — the first run's canaries among them, now unmutated — must reach what
+        the gold patch reaches (else the pass did not reproduce). A second run that breaks is judged as
+        any run after the patch went in: the patch's doing unless the control run fails too."""
+        run, nonce = self.containers.run(task, patch, canary_seed=self.canary_seed(task), canary_tests=second,
                                          deadline_s=CANARY_TIME_FACTOR * spent_s + CANARY_TIME_SLACK_S)
         if "ready" not in run.events:
             raise GradingInfraError(run.before_patch_error())
         failure = run.failure(nonce)
         if failure is None and run.tests_exit_code in (124, 137):
-            failure = "the canary run's tests timed out"
+            failure = "the second run's tests timed out"
         if failure is not None:
-            failure = f"the canary run: {failure}"
-            self._failed_after_patch(task, out, failure)
-            return True
-        out.suspicious += [f"canary run {f}" for f in run.runner_findings]
+            self._failed_after_patch(task, out, f"the second run: {failure}")
+            return
+        out.suspicious += [f"second run {f}" for f in run.runner_findings]
         statuses = run.statuses(get_parser(task.log_parser))
-        seen = {n: statuses.status(n) or "MISSING" for n in live}
-        out.canaries = [f"{n}: {st}" for n, st in seen.items()]
-        passed = [n for n, st in seen.items() if st not in FAILING]
-        tests = out.tests
-        if passed:
-            self._zero(out, GradeStatus.TAMPERED, f"{len(passed)} of {len(live)} canaries did not fail (a test every "
-                       f"honest patch fails; its expected value was mutated): {', '.join(passed[:3])}", task)
-            out.tests = tests
-            return True
-        reference = self.reference(task)
-        report = evaluate(statuses, [n for n in task.FAIL_TO_PASS if n not in seen],
-                          [n for n in task.PASS_TO_PASS if n not in seen], reference)
+        if self._canaries_passed(statuses, second, out, task):
+            return
+        report = evaluate(statuses, [n for n in task.FAIL_TO_PASS if n not in second],
+                          [n for n in task.PASS_TO_PASS if n not in second], self.reference(task))
+        checked = {t.name: t for t in report.tests}
+        tests = [t for t in out.tests if t.name not in first] + [checked[n] for n in first if n in checked]
         differ = [t for t in report.tests if not t.passed]
         if differ:
-            self._zero(out, GradeStatus(out.status), "the pass did not reproduce in the canary run: "
+            self._zero(out, GradeStatus(out.status), "the pass did not reproduce in the second run: "
                        + ", ".join(f"{t.name} {t.status}" for t in differ[:3]), task)
-            out.tests = tests
-        return True
+        out.tests = tests
 
     def canaries(self, task: TaskRow, seed: str) -> dict[str, dict[str, object]]:
         """The task's canaries under ``seed`` (found once per task and seed, cached): FAIL_TO_PASS test
@@ -460,6 +471,20 @@ class Grader:
         return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()
 
     # ------------------------------------------------------------------ one container
+
+def halves(canaries: dict[str, dict[str, object]], seed: str) -> tuple[dict[str, dict[str, object]], dict[str, dict[str, object]]]:
+    """Split a task's canaries between a grade's two runs by the secret seed, a test function (every
+    row and class of it, which may share one mutation) on one side. Each run mutates its half and
+    checks the other's real pass, so neither run is "the ordinary one": code that carries a mark from
+    one run to the next (a red team did, through the host's kernel keyring and page cache) still meets
+    canaries in the first run, where no mark exists yet, and must guess which tests they are."""
+    def side(nodeid: str) -> int:
+        function = nodeid.split("::")[-1].partition("[")[0]
+        return hmac.new(seed.encode(), function.encode(), hashlib.sha256).digest()[0] & 1
+
+    first = {n: spec for n, spec in canaries.items() if side(n) == 0}
+    return first, {n: spec for n, spec in canaries.items() if n not in first}
+
 
 def _mutation_of(nodeid: str, mutated: dict[str, str]) -> str | None:
     """Which of a canary run's mutations (:mod:`.sandboxed.canary`'s keys) a test runs: its row's own

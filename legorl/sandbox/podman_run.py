@@ -4,11 +4,15 @@ for :class:`~legorl.sandbox.podman.PodmanBackend` and for harnesses that reuse i
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import re
 import uuid
 from pathlib import Path
 
+from legorl.paths import cache_dir
 from legorl.sandbox.base import SandboxSpec
 from legorl.sandbox.errors import SandboxError
 from legorl.sandbox.reaper import owner_labels
@@ -22,6 +26,34 @@ def container_name(labels: dict[str, str]) -> str:
     hint = "-".join(v for k in ("run", "trial") if (v := labels.get(k) or labels.get(f"legorl.{k}")))
     hint = re.sub(r"[^a-zA-Z0-9_.-]+", "-", hint).strip("-.")[:60]
     return f"legorl-{hint + '-' if hint else ''}{uuid.uuid4().hex[:8]}"
+
+
+DEFAULT_SECCOMP = Path("/usr/share/containers/seccomp.json")  # podman's own default profile (containers-common)
+# The kernel's keyrings are per uid, not per container: a key a test process stores in a named keyring in
+# one container is there in the next container of the same uid (a red team carried what the ordinary
+# grading run saw into its canary run this way). Docker's default profile denies these calls too.
+KEYRING_SYSCALLS = frozenset({"keyctl", "add_key", "request_key"})
+
+
+@functools.cache
+def seccomp_profile() -> Path | None:
+    """podman's default seccomp profile without the keyring calls, written once to the cache (None:
+    this host has no default profile to start from, and podman's built-in one stays)."""
+    try:
+        profile = json.loads(DEFAULT_SECCOMP.read_text())
+        for rule in profile["syscalls"]:
+            if rule.get("action") == "SCMP_ACT_ALLOW":
+                rule["names"] = [n for n in rule["names"] if n not in KEYRING_SYSCALLS]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    text = json.dumps(profile, sort_keys=True)
+    path = cache_dir() / "sandbox" / f"seccomp-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return path
 
 
 def run_args(spec: SandboxSpec, name: str, command: list[str] | None = None, *, detach: bool = True) -> list[str]:
@@ -45,6 +77,9 @@ def run_args(spec: SandboxSpec, name: str, command: list[str] | None = None, *, 
              # no device nodes and no file capabilities, even inside: nothing needs them, and what the
              # container writes into a host folder must never become a way to root on the host
              "--cap-drop", "MKNOD", "--cap-drop", "SETFCAP"]
+    profile = seccomp_profile()
+    if profile is not None:
+        args += ["--security-opt", f"seccomp={profile}"]
     if spec.cpus is not None:
         args += ["--cpus", f"{spec.cpus:g}"]
     for key, value in labels.items():

@@ -81,7 +81,9 @@ CALL_EVENTS = frozenset({"exec", "compile", "marshal.loads", "code.__new__"})
 STACK_EVENTS = frozenset({"sys.settrace", "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
                           "sys._current_frames", "sys.addaudithook"})
 SETATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
-SPOOF_ATTRS = frozenset({"__module__", "__code__", "__qualname__", "__name__", "__globals__", "__class__"})
+SPOOF_ATTRS = frozenset({"__code__", "__globals__", "__class__"})
+# Names the standard library sets for its callers (namedtuple, dataclass, update_wrapper): only the patch's own line counts
+NAME_ATTRS = frozenset({"__module__", "__qualname__", "__name__"})
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"})
 FRAME_WALKERS = ("traceback.py", "inspect.py")  # stdlib helpers that fetch frames for their caller
 WATCHED = (*RUNNER_PACKAGES, "builtins")
@@ -137,6 +139,8 @@ class Guard:
                 target, name = args[0], str(args[1]) if len(args) > 1 else ""
                 if name in SPOOF_ATTRS:
                     self._stack(f"{event} {name}", self._getframe(1))
+                elif name in NAME_ATTRS:
+                    self._direct(f"{event} {name}", self._getframe(1))
                 elif isinstance(target, type) and str(getattr(target, "__module__", "")).split(".")[0] in WATCHED:
                     self._stack(f"{event} {getattr(target, '__name__', '')}.{name}", self._getframe(1))
             elif event in STACK_EVENTS or event.startswith("ctypes."):
