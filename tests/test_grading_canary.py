@@ -265,7 +265,7 @@ def test_the_writer_script_rewrites_files_in_place(tmp_path: Path, mutate: bool)
 def test_the_two_runs_split_the_canaries_by_function_and_by_the_secret_seed() -> None:
     """Every row and class of one test function lands on one side (they may share one mutation), the
     split is the seed's (the same for every grade of a task), and seeds differ in how they split."""
-    canaries = {f"{PATH}::{cls}::test_{name}{row}": {"site": [PATH, 1], "salt": "0"}
+    canaries: dict[str, dict[str, object]] = {f"{PATH}::{cls}::test_{name}{row}": {"site": [PATH, 1], "salt": "0"}
                 for name in "abcdefgh" for cls in ("A", "B") for row in ("", "[x]", "[y]")}
     splits = set()
     for seed in map(str, range(8)):
