@@ -190,8 +190,8 @@ GRADES_SCHEMA = pa.schema(
         pa.field("apply_method", _str),
         # lines the patch added that reach into the test runner or the interpreter ("path:line: why: code")
         pa.field("suspicious", _strings),
-        # the canary run's canaries ("test name: status"): tests whose expected values were mutated, which every
-        # patch must fail; one that passed makes the grade "tampered". Empty when no canary run was made
+        # the grade's canaries ("test name: status"), from the runs that mutated them: tests whose expectation was
+        # mutated, which every patch must fail; one that passed makes the grade "tampered". Empty when none was made
         pa.field("canaries", _strings),
         # the control run (the gold or empty patch, same conditions) behind an infra / tests_errored verdict
         pa.field("control", _str),

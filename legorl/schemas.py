@@ -91,7 +91,7 @@ class GradeStatus(StrEnum):
     PATCH_APPLY_FAILED = "patch_apply_failed"
     TEST_TIMEOUT = "test_timeout"
     TESTS_ERRORED = "tests_errored"  # the test run broke after the patch went in (crash, kill, no report)
-    SUSPICIOUS = "suspicious"  # the tests passed, but the patch's code reaches into the test runner (no canaries)
+    SUSPICIOUS = "suspicious"  # a Harbor task's test.sh passed, but the screen flags the patch's code
     TAMPERED = "tampered"  # the tests passed, and so did a canary: a test every honest patch fails
     INFRA_ERROR = "infra_error"
 

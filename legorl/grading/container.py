@@ -101,7 +101,7 @@ class Run:
 
     @property
     def mutated(self) -> dict[str, str]:
-        """The tests a canary run mutated (test name -> file:line); empty in an ordinary run."""
+        """The tests this run mutated (test name -> file:line)."""
         found = (self.canaries or {}).get("mutated")
         return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
 
@@ -210,7 +210,7 @@ class GradingContainers:
 
         ``canary_seed``: a canary run (the expected values of ``canary_tests`` mutated, each at its site:
         :mod:`.sandboxed.canary`). ``deadline_s``: the
-        host stops the container after this long (a canary run's bound, from its ordinary run: the
+        host stops the container after this long (a second run's bound, from its first run: the
         script inside keeps the ordinary timeout, so nothing the test user can see differs)."""
         command = self.command_for(task)
         files, nonce, report_nonce = grade_files(patch=patch, test_patch=task.test_patch or "",
