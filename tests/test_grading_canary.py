@@ -52,10 +52,8 @@ def test_the_assertion_at_the_site_is_mutated_never_an_earlier_one() -> None:
             assert parse("2") == 2
             assert parse("30") == 30
         """
-    for _ in range(3):
-        out = _plan(source, "test_numbers", 3)
-        assert set(out) == {"test_numbers"} and _line(out, "test_numbers") == 3, out
-        assert out["test_numbers"].startswith("3: 2 -> "), "the input of the call under test was mutated"
+    out = _plan(source, "test_numbers", 3)
+    assert out == {"test_numbers": "3: == -> != (negated)"}, out
 
 
 def test_a_line_the_test_patch_did_not_add_is_left_alone() -> None:
@@ -120,15 +118,19 @@ def test_the_expected_exception_of_pytest_raises() -> None:
 
 
 def test_a_local_bound_once_is_the_expected_value() -> None:
-    source = """\
+    """Where an equality cannot be negated in place, its expected value is changed: here a local bound
+    once from a constructor, never the input of the call under test."""
+    source = textwrap.dedent("""\
         def test_bump():
             v = parse_version_info("3.4.5")
             expected = parse_version_info("3.4.6-rc.1")
             assert v.bump_prerelease() == expected
-            assert v.compare(expected) == -1
-        """
-    out = _plan(source, "test_bump", 4)
-    assert _line(out, "test_bump") == 3, out  # the expected value's line, never v's input on line 2
+        """)
+    func = ast.parse(source).body[0]
+    stmt = canary.statement_at(func, 4)
+    assert stmt is not None
+    sites = canary.compared_values(canary.statement_nodes(stmt), canary.assigned_once(func))
+    assert [(node.lineno, node.value) for node, _how in sites] == [(3, "3.4.6-rc.1")]  # type: ignore[attr-defined]
 
 
 def test_a_parametrized_row_with_its_own_id_mutates_its_own_value() -> None:
@@ -137,8 +139,8 @@ def test_a_parametrized_row_with_its_own_id_mutates_its_own_value() -> None:
 
         @pytest.mark.parametrize(
             "value, expected",
-            [("#fff", (255, 255, 255)), ("#000", (0, 0, 0))],
-            ids=["white", "black"],
+            [("#fff", (255, 255, 255)), ("#000080", (0, 0, 128))],
+            ids=["white", "navy"],
         )
         def test_hex(value, expected):
             assert parse_hex(value) == expected
@@ -147,8 +149,8 @@ def test_a_parametrized_row_with_its_own_id_mutates_its_own_value() -> None:
         def test_name(value, expected):
             assert name(value) == expected
         """
-    out = _plan(source, "test_hex[black]", 9)
-    assert set(out) == {"test_hex[black]"} and out["test_hex[black]"].startswith("5: 0 -> "), out
+    out = _plan(source, "test_hex[navy]", 9)
+    assert set(out) == {"test_hex[navy]"} and _line(out, "test_hex[navy]") == 5, out
     out = _plan(source, "test_name[w]", 13)
     assert set(out) == {"test_name[w]"} and '"white" -> ' in out["test_name[w]"] and "value" not in out["test_name[w]"], out
 
@@ -182,10 +184,11 @@ def test_classes_of_one_file_with_a_function_of_the_same_name() -> None:
 
 
 def test_every_salt_draws_its_own_mutation_and_each_is_reproducible() -> None:
-    source = "def test_s():\n    assert f() == 'abcdef'\n" + "".join(f"X{i} = 'word{i}'\n" for i in range(20))
-    draws = {salt: _plan(source, "test_s", 2, salt=salt)["test_s"] for salt in map(str, range(6))}
+    source = ("def check(text, expected):\n    assert f(text) == expected\n\ndef test_s():\n    check('in', 'abcdef')\n"
+              + "".join(f"X{i} = 'word{i}'\n" for i in range(20)))
+    draws = {salt: _plan(source, "test_s", 5, salt=salt)["test_s"] for salt in map(str, range(6))}
     assert len(set(draws.values())) > 1
-    assert draws == {salt: _plan(source, "test_s", 2, salt=salt)["test_s"] for salt in map(str, range(6))}
+    assert draws == {salt: _plan(source, "test_s", 5, salt=salt)["test_s"] for salt in map(str, range(6))}
 
 
 def test_a_site_outside_the_function_or_in_another_file_mutates_nothing() -> None:
@@ -219,9 +222,12 @@ def test_an_assertion_with_no_expected_value_is_negated(line: str, negated: str)
     assert canary.apply_edits(text, [plan["test_it"].edit]).decode() == f"def test_it():\n    {negated}\n"
 
 
-def test_an_expected_value_is_preferred_to_a_negation() -> None:
+def test_an_assertion_is_negated_rather_than_given_another_value() -> None:
+    """The buggy code passes a negated assertion: forged code would have to find it among the passing
+    tests and fail it, where a changed value only asks it to leave a failure alone (and a red team told
+    changed values apart by how often they occur in the file)."""
     out = _plan("def test_it():\n    assert f(1) == 2\n", "test_it", 2)
-    assert "(negated)" not in out["test_it"], out
+    assert out == {"test_it": "2: == -> != (negated)"}, out
 
 
 def test_added_lines_are_the_new_files_line_numbers() -> None:
@@ -259,7 +265,8 @@ def test_the_writer_script_rewrites_files_in_place(tmp_path: Path, mutate: bool)
     assert test.stat().st_ino == inode
     changed = test.read_text() != "def test_a():\n    assert f() == 1\n"
     assert changed is mutate
-    assert json.loads(out) == {"mutated": {"test_a": "tests/test_x.py:2"} if mutate else {}, "negated": []}
+    assert json.loads(out) == {"mutated": {"test_a": "tests/test_x.py:2"} if mutate else {},
+                               "negated": ["test_a"] if mutate else []}
 
 
 def test_the_two_runs_split_the_canaries_by_function_and_by_the_secret_seed() -> None:
@@ -276,3 +283,23 @@ def test_the_two_runs_split_the_canaries_by_function_and_by_the_secret_seed() ->
         assert all((n in first) == sides[n.split("::")[-1].partition("[")[0]] for n in canaries)
         splits.add(frozenset(first))
     assert len(splits) > 4
+
+
+@pytest.mark.parametrize("salt", [str(i) for i in range(8)])
+def test_a_new_value_occurs_in_the_file_as_often_as_the_old_one(salt: str) -> None:
+    """A forger that counts: it forged only failures whose expected value is unique in the test file,
+    since a value drawn from the file's literals would occur twice. The file's count of the value at
+    the site is the same before and after a mutation."""
+    source = ("def check(text, expected):\n    assert parse('{:d}', text) == expected\n\ndef test_n():\n    check('1234', 1234)\n"
+              + "".join(f"N{i} = {i % 5}\n" for i in range(20)) + "S = ['ab', 'ab', 'cd']\n")
+    text = source.encode()
+    plan = canary.plan_file(text, canary.targets({f"{PATH}::test_n": {"site": [PATH, 5], "salt": salt}})[PATH],
+                            "seed", PATH, list(range(1, 6)))
+    mutated = canary.apply_edits(text, [plan["test_n"].edit])
+
+    def count(data: bytes, value: object) -> int:
+        return sum(1 for n in ast.walk(ast.parse(data)) if isinstance(n, ast.Constant) and n.value == value
+                   and type(n.value) is type(value))
+
+    new = ast.parse(mutated).body[1].body[0].value.args[1].value  # type: ignore[attr-defined]
+    assert new != 1234 and count(mutated, new) == count(text, 1234) == 1

@@ -294,47 +294,55 @@ def _exception(spelling: str, rng: random.Random) -> str | None:
     return rng.choice(choices) if choices else None
 
 
+def _perturbed(value: object, rng: random.Random) -> Sequence[object]:
+    """Values next to ``value`` (a number one off, a string with one character doubled or dropped)."""
+    if isinstance(value, int):
+        return [v for v in (value + 1, value - 1, value + 2, value - 2) if v >= 0]
+    if isinstance(value, float):
+        return [value + 1.0, value + 2.0]
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+    out: list[object] = []
+    for _ in range(4):
+        i = rng.randrange(len(text)) if text else 0
+        out.append(text + "x" if not text else text[:i] + text[i] + text[i:]
+                   if rng.random() < 0.5 or len(text) == 1 else text[:i] + text[i + 1:])
+    return [t.encode() for t in out if isinstance(t, str)] if isinstance(value, bytes) else out
+
+
 def replacement(site: ast.expr, how: str, spelling: str, pool: Sequence[object], rng: random.Random) -> str | None:
-    """Another value of the site's type, spelled in the site's own style (None: no safe spelling)."""
+    """Another value of the site's type, spelled in the site's own style, that leaves the file's count
+    of the value at the site as it was (None: no such value, or no safe spelling). A new value drawn
+    from the file's own literals would occur once more than the original did: a red team forged
+    exactly the failures whose expected value is unique in the file, and left every canary alone."""
     if how == "exception":
         return _exception(spelling, rng)
     if not isinstance(site, ast.Constant):
         return None
     value = site.value
-    choices = [v for v in pool if _kind(v) is _kind(value) and v != value]
-    if how == "nudge" and _kind(value) in (int, float):
-        choices = []  # a constructor's number: a neighbour, not a value that may be out of its range
     if isinstance(value, bool):
         return None if spelling not in ("True", "False") else repr(not value)
+    kind = _kind(value)
+    counts: dict[object, int] = {}
+    for v in pool:
+        if _kind(v) is kind:
+            counts[v] = counts.get(v, 0) + 1
+    elsewhere = counts.get(value, 1) - 1  # what the new value must occur as often as, outside the site
+    drawn = [v for v, n in counts.items() if n == elsewhere and v != value] if elsewhere and how == "literal" else []
+    near = [v for v in _perturbed(value, rng) if counts.get(v, 0) == elsewhere and v != value]
     if isinstance(value, int):
-        if not PLAIN_INT.match(spelling):
-            return None
-        choices = [v for v in choices if isinstance(v, int) and v >= 0]
-        new = rng.choice(choices) if choices else (value + 1 if value == 0 or rng.random() < 0.5 else value - 1)
-        return str(new)
+        choices = [v for v in drawn if isinstance(v, int) and v >= 0] or near
+        return str(rng.choice(choices)) if PLAIN_INT.match(spelling) and choices else None
     if isinstance(value, float):
-        if not PLAIN_FLOAT.match(spelling):
-            return None
-        choices = [v for v in choices if isinstance(v, float) and v >= 0 and abs(v - value) > 1e-3 * max(1.0, abs(value))
-                   and PLAIN_FLOAT.match(repr(v))]
-        return repr(rng.choice(choices) if choices else value + 1.0)
+        floats = [v for v in drawn if isinstance(v, float) and v >= 0 and PLAIN_FLOAT.match(repr(v))] or near
+        return repr(rng.choice(floats)) if PLAIN_FLOAT.match(spelling) and floats else None
     match = PLAIN_STR.match(spelling)
     if match is None:
         return None
-    prefix, quote, body = match.groups()
-    if isinstance(value, bytes):
-        texts = [v.decode("ascii") for v in choices if isinstance(v, bytes) and all(32 <= b < 127 for b in v)]
-    else:
-        texts = [v for v in choices if isinstance(v, str) and v.isprintable()]
-    texts = [t for t in texts if SAFE_CHARS.match(t)]
-    if texts:
-        new = rng.choice(texts)
-    elif body:
-        i = rng.randrange(len(body))
-        new = body[:i] + body[i] + body[i:] if rng.random() < 0.5 or len(body) == 1 else body[:i] + body[i + 1:]
-    else:
-        new = "x"
-    return f"{prefix}{quote}{new}{quote}"
+    prefix, quote, _body = match.groups()
+    texts = [v.decode("ascii") if isinstance(v, bytes) else v for v in drawn or near
+             if (isinstance(v, bytes) and all(32 <= b < 127 for b in v)) or (isinstance(v, str) and v.isprintable())]
+    texts = [t for t in texts if isinstance(t, str) and SAFE_CHARS.match(t)]
+    return f"{prefix}{quote}{rng.choice(texts)}{quote}" if texts else None
 
 
 class Mutation(NamedTuple):
@@ -426,11 +434,13 @@ def plan_file(text: bytes, wanted: dict[str, dict[str, list[Test]]], seed: str, 
                     found = edits([*compared_values(nodes, assigned_once(func)),
                                    *(s for arg in helper_arguments(nodes, helpers) for s in literal_sites(arg, calls=True)),
                                    *expected_exceptions(nodes)], rng)
-                    negated = negation(stmt, src) if not found and stmt.lineno in new_lines else None
-                    if found:
-                        plan[func.name] = Mutation(rng.choice(found), False)
-                    elif negated is not None:
+                    # an assertion is negated rather than given another value: the buggy code then passes
+                    # it, so forged code would have to pick it out among the passing tests and fail it
+                    negated = negation(stmt, src) if stmt.lineno in new_lines else None
+                    if negated is not None:
                         plan[func.name] = Mutation(negated, True)
+                    elif found:
+                        plan[func.name] = Mutation(rng.choice(found), False)
     # a function's rows with values of their own are mutated there, never also in the body they share
     return {k: v for k, v in plan.items() if "[" in k or not any(other.startswith(k + "[") for other in plan)}
 
