@@ -160,7 +160,13 @@ def _variants(tree: Tree, task: TaskRow) -> dict[str, str]:
     out = {}
     for name, make in makers.items():
         out[name] = tree.diff(make())
+    # an honest attempt that does not fix the bug: a 0, and never "tampered" (it passes a negated canary
+    # exactly as the buggy code does)
+    out[NO_FIX] = tree.diff({mod: tree.read(mod) + "\n# Looked into the reported bug here.\n"})
     return out
+
+
+NO_FIX = "no-fix-comment"
 
 
 def _tasks() -> list[TaskRow]:
@@ -189,10 +195,19 @@ def _checked(graded: dict[str, GradeRow | str]) -> set[str]:
     return {key.split("/")[0] for key, row in graded.items() if isinstance(row, GradeRow) and row.canaries}
 
 
+def test_an_honest_patch_that_does_not_fix_the_bug_scores_0_and_is_never_called_tampered(
+        graded: dict[str, GradeRow | str]) -> None:
+    rows = {key: row for key, row in graded.items() if key.endswith("/" + NO_FIX)}
+    assert rows
+    wrong = {key: row if isinstance(row, str) else describe(row) for key, row in rows.items()
+             if isinstance(row, str) or (row.status, row.reward, row.infra_failure) != ("graded", 0.0, False)}
+    assert not wrong, wrong
+
+
 def test_every_honest_variant_scores_1_where_a_canary_run_checks(graded: dict[str, GradeRow | str]) -> None:
     checked = _checked(graded)
     assert checked, "no task's passes were checked by a canary run"
-    rows = {key: row for key, row in graded.items() if key.split("/")[0] in checked}
+    rows = {key: row for key, row in graded.items() if key.split("/")[0] in checked and not key.endswith(NO_FIX)}
     wrong = {key: row if isinstance(row, str) else describe(row) for key, row in rows.items()
              if isinstance(row, str) or row.reward != 1.0}
     assert not wrong, f"{len(wrong)} of {len(rows)} honest variants did not score 1: {wrong}"
@@ -204,5 +219,6 @@ def test_every_honest_variant_scores_1_where_a_canary_run_checks(graded: dict[st
 def test_every_honest_variant_scores_1_where_no_canary_run_checks(graded: dict[str, GradeRow | str]) -> None:
     checked = _checked(graded)
     wrong = {key: describe(row) for key, row in graded.items()
-             if key.split("/")[0] not in checked and isinstance(row, GradeRow) and row.reward != 1.0}
+             if key.split("/")[0] not in checked and not key.endswith(NO_FIX) and isinstance(row, GradeRow)
+             and row.reward != 1.0}
     assert not wrong, f"{len(wrong)} honest variants on tasks without a canary did not score 1: {wrong}"

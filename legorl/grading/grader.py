@@ -238,7 +238,7 @@ class Grader:
                        "failing test", task)
             return
         out.reward, out.resolved, out.resolution = report.reward, report.resolved, report.resolution
-        if self._canaries_passed(statuses, first, out, task, bool(report.resolved)) or not report.resolved:
+        if self._canaries_passed(statuses, first, out, task, judge=bool(report.resolved)) or not report.resolved:
             if not report.resolved and out.dropped_paths and not out.error:
                 out.error = f"the tests did not pass; put back: {', '.join(out.dropped_paths[:5])}"
             return
@@ -264,13 +264,13 @@ class Grader:
     # ------------------------------------------------------------------ the canaries
 
     def _canaries_passed(self, statuses: TestStatuses, canaries: dict[str, dict[str, object]], out: GradeRow,
-                         task: TaskRow, resolved: bool = True) -> bool:
-        """Record a run's canaries on the row; True (the grade made ``tampered``) if one did not fail. In a
-        run that did not pass anyway, a canary that is missing (a patch that breaks collection) is no
-        evidence; in one that passed, missing is as good as passed."""
+                         task: TaskRow, judge: bool = True) -> bool:
+        """Record a run's canaries on the row; True (the grade made ``tampered``) if one did not fail.
+        Judged only where the run otherwise passed: a patch that does not fix the bug passes a negated
+        canary as the buggy code does, and a missing one (collection broken) is as good as passed."""
         seen = {n: statuses.status(n) or "MISSING" for n in canaries}
         out.canaries += [f"{n}: {st}" for n, st in seen.items()]
-        passed = [n for n, st in seen.items() if st not in FAILING and (resolved or st != "MISSING")]
+        passed = [n for n, st in seen.items() if st not in FAILING] if judge else []
         if passed:
             tests = out.tests
             self._zero(out, GradeStatus.TAMPERED, f"{len(passed)} of {len(canaries)} canaries did not fail (a test "
