@@ -174,7 +174,7 @@ def test_inspect_shows_flaky_test_ids_as_text_at_80_columns(tmp_path: Path) -> N
     text = "".join(line.strip() for line in lines)  # a long id folds across lines
     assert "flaky tests: t-1 count 3, names" in " ".join(line.strip() for line in lines)
     assert all(name in text for name in names), lines
-    assert "t-2" not in text
+    assert "t-2" not in text.replace(str(tmp_path), "")  # (pytest's own folder may be pytest-2N)
 
 
 @pytest.mark.parametrize(("recorded", "message"), [
