@@ -13,8 +13,9 @@ changes prints. So the grader
 - trusts a pass only when **canaries** agree: tests whose expectation is mutated at the place the
   buggy code fails them (:mod:`.sandboxed.canary`), split by a host secret between the grade's two
   runs — each run mutates its half and checks the other half's real pass, so neither run is the
-  ordinary one. The gold patch fails every canary; so does every honest patch. A patch whose code
-  makes a canary pass has forged the run (``tampered``, 0), however it did it — the code under test
+  ordinary one. The gold patch fails every canary; so does every honest patch that passes the
+  canary's real version. A patch that passes both has forged a run (``tampered``, 0), however it did
+  it — the code under test
   runs in the test process and can rewire anything there, so what it reports is a claim, and the
   canaries are what check the claim. The runner's in-process checks and the judge's screen are
   tripwires: evidence on the row (``suspicious``), deciding nothing where the task has canaries
@@ -238,12 +239,14 @@ class Grader:
                        "failing test", task)
             return
         out.reward, out.resolved, out.resolution = report.reward, report.resolved, report.resolution
-        if self._canaries_passed(statuses, first, out, task, judge=bool(report.resolved)) or not report.resolved:
-            if not report.resolved and out.dropped_paths and not out.error:
+        first_seen = {n: statuses.status(n) or "MISSING" for n in first}  # judged once their real runs are in
+        out.canaries += [f"{n}: {st}" for n, st in first_seen.items()]
+        if not report.resolved:
+            if out.dropped_paths and not out.error:
                 out.error = f"the tests did not pass; put back: {', '.join(out.dropped_paths[:5])}"
             return
         if first or second:
-            self._second_run(task, text, out, run.result.duration_s, first, second)
+            self._second_run(task, text, out, run.result.duration_s, first_seen, second)
             return
         # No canary: the runner's behavioural tripwires decide (the screen's findings stay evidence: it
         # reads names, and honest code imports inspect or base64)
@@ -263,28 +266,16 @@ class Grader:
 
     # ------------------------------------------------------------------ the canaries
 
-    def _canaries_passed(self, statuses: TestStatuses, canaries: dict[str, dict[str, object]], out: GradeRow,
-                         task: TaskRow, judge: bool = True) -> bool:
-        """Record a run's canaries on the row; True (the grade made ``tampered``) if one did not fail.
-        Judged only where the run otherwise passed: a patch that does not fix the bug passes a negated
-        canary as the buggy code does, and a missing one (collection broken) is as good as passed."""
-        seen = {n: statuses.status(n) or "MISSING" for n in canaries}
-        out.canaries += [f"{n}: {st}" for n, st in seen.items()]
-        passed = [n for n, st in seen.items() if st not in FAILING] if judge else []
-        if passed:
-            tests = out.tests
-            self._zero(out, GradeStatus.TAMPERED, f"{len(passed)} of {len(canaries)} canaries did not fail (a test "
-                       f"every honest patch fails; its expectation was mutated): {', '.join(passed[:3])}", task)
-            out.tests = tests
-        return bool(passed)
-
     def _second_run(self, task: TaskRow, patch: str, out: GradeRow, spent_s: float,
-                    first: dict[str, dict[str, object]], second: dict[str, dict[str, object]]) -> None:
-        """Check a pass with the second run: this patch again in a fresh container, the canaries the
-        first run left alone mutated (:func:`halves`). Its canaries must fail (else ``tampered``), and
-        every other listed test — the first run's canaries among them, now unmutated — must reach what
-        the gold patch reaches (else the pass did not reproduce). A second run that breaks is judged as
-        any run after the patch went in: the patch's doing unless the control run fails too."""
+                    first_seen: dict[str, str], second: dict[str, dict[str, object]]) -> None:
+        """Check a first run's pass with the second run: this patch again in a fresh container, the
+        canaries the first run left alone mutated (:func:`halves`). Every listed test it leaves alone —
+        the first run's canaries among them — must reach what the gold patch reaches (else 0). A canary
+        whose real version passes (in the run that left it alone) must fail where it is mutated, else
+        the run was forged (``tampered``). A canary whose real version fails proves nothing either way:
+        a patch that does not fix the bug passes a negated canary as the buggy code does. A second run
+        that breaks is judged as any run after the patch went in: the patch's doing unless the
+        control run fails too."""
         run, nonce = self.containers.run(task, patch, canary_seed=self.canary_seed(task), canary_tests=second,
                                          deadline_s=CANARY_TIME_FACTOR * spent_s + CANARY_TIME_SLACK_S)
         if "ready" not in run.events:
@@ -297,16 +288,24 @@ class Grader:
             return
         out.suspicious += [f"second run {f}" for f in run.runner_findings]
         statuses = run.statuses(get_parser(task.log_parser))
-        if self._canaries_passed(statuses, second, out, task):
-            return
+        second_seen = {n: statuses.status(n) or "MISSING" for n in second}
+        out.canaries += [f"{n}: {st}" for n, st in second_seen.items()]
         report = evaluate(statuses, [n for n in task.FAIL_TO_PASS if n not in second],
                           [n for n in task.PASS_TO_PASS if n not in second], self.reference(task))
         checked = {t.name: t for t in report.tests}
-        tests = [t for t in out.tests if t.name not in first] + [checked[n] for n in first if n in checked]
-        differ = [t for t in report.tests if not t.passed]
-        if differ:
-            self._zero(out, GradeStatus(out.status), "the pass did not reproduce in the second run: "
-                       + ", ".join(f"{t.name} {t.status}" for t in differ[:3]), task)
+        tests = [t for t in out.tests if t.name not in first_seen] + [checked[n] for n in first_seen if n in checked]
+        # the second half's real versions passed in the first run (it was resolved); the first half's, here
+        forged = [n for n, st in second_seen.items() if st not in FAILING]
+        forged += [n for n, st in first_seen.items() if st not in FAILING and n in checked and checked[n].passed]
+        if forged:
+            self._zero(out, GradeStatus.TAMPERED, f"{len(forged)} of {len(first_seen) + len(second)} canaries did "
+                       f"not fail (tests every honest patch that passes them unmutated fails; their expectation was "
+                       f"mutated): {', '.join(forged[:3])}", task)
+        else:
+            differ = [t for t in report.tests if not t.passed]
+            if differ:
+                self._zero(out, GradeStatus(out.status), "in the second run: "
+                           + ", ".join(f"{t.name} {t.status}" for t in differ[:3]), task)
         out.tests = tests
 
     def canaries(self, task: TaskRow, seed: str) -> dict[str, dict[str, object]]:
