@@ -15,9 +15,8 @@ changes prints. So the grader
   runs — each run mutates its half and checks the other half's real pass, so neither run is the
   ordinary one. The gold patch fails every canary; so does every honest patch that passes the
   canary's real version. A patch that passes both has forged a run (``tampered``, 0), however it did
-  it — the code under test
-  runs in the test process and can rewire anything there, so what it reports is a claim, and the
-  canaries are what check the claim. The runner's in-process checks and the judge's screen are
+  it — the code under test runs in the test process and can rewire anything there, so what it
+  reports is a claim, and the canaries are what check the claim. The runner's in-process checks and the judge's screen are
   tripwires: evidence on the row (``suspicious``), deciding nothing where the task has canaries
   (where it has none, a pass the runner's own tripwires flag scores 0);
 - labels a grade infrastructure only from signals outside the patch's reach: a failure before the
