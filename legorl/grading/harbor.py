@@ -291,12 +291,7 @@ def grade(grader: Grader, task: TaskRow, patch: str, out: GradeRow) -> None:
         return
     failure = hr.failure()
     if failure is not None:
-        control = grader._control(task)
-        if control is not None:
-            out.control = control
-            raise GradingInfraError(f"{failure}; the control run failed too: {control}")
-        out.control = "the task's control patch graded normally in the same conditions"
-        grader._zero(out, GradeStatus.TESTS_ERRORED, failure, task)
+        grader._failed_after_patch(task, out, failure)
         return
     reward, _ = parse_reward(hr.events)
     assert reward is not None

@@ -16,6 +16,7 @@ import json
 import os
 import stat
 
+from legorl.errors import LegorlError
 from legorl.sandbox.host import run_podman
 
 # podman's init (--init) is a host file every container maps
@@ -25,10 +26,10 @@ INIT_BINARIES = ("/usr/libexec/podman/catatonit", "/usr/bin/catatonit", "/usr/li
 @functools.lru_cache(maxsize=64)
 def layer_dirs(image: str) -> tuple[str, ...]:
     """The host folders of an image's layers (overlay storage; none for another driver)."""
-    out = run_podman(["image", "inspect", "--format", "{{json .GraphDriver.Data}}", image], timeout=60).stdout
     try:
+        out = run_podman(["image", "inspect", "--format", "{{json .GraphDriver.Data}}", image], timeout=60).stdout
         data = json.loads(out.decode() or "{}") or {}
-    except ValueError:
+    except (LegorlError, ValueError):  # no such image here: the grade's own run says so, as infrastructure
         return ()
     dirs = [data.get("UpperDir") or "", *(data.get("LowerDir") or "").split(":")]
     return tuple(d for d in dirs if d and os.path.isdir(d))
