@@ -292,7 +292,9 @@ class Grader:
         report = evaluate(statuses, [n for n in task.FAIL_TO_PASS if n not in second],
                           [n for n in task.PASS_TO_PASS if n not in second], self.reference(task))
         checked = {t.name: t for t in report.tests}
-        tests = [t for t in out.tests if t.name not in first_seen] + [checked[n] for n in first_seen if n in checked]
+        # a test that passed the first run but fails here shows this run's failure
+        tests = [checked[t.name] if t.name in checked and not checked[t.name].passed else t for t in out.tests]
+        tests += [checked[n] for n in first_seen if n in checked]
         # the second half's real versions passed in the first run (it was resolved); the first half's, here
         forged = [n for n, st in second_seen.items() if st not in FAILING]
         forged += [n for n, st in first_seen.items() if st not in FAILING and n in checked and checked[n].passed]
