@@ -17,7 +17,9 @@ fresh session; the failed attempt's tokens are dropped, never written as a trial
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import os
 import re
 import subprocess
@@ -44,6 +46,7 @@ from legorl.sandbox.base import Sandbox, SandboxSpec
 from legorl.schemas import Outcome, TaskRow, Timings, TrialRow, trial_key
 
 SandboxFactory = Callable[[SandboxSpec], Sandbox]
+log = logging.getLogger(__name__)
 
 # A call's default completion cap: a model that rambles (or loops) cannot spend a whole trial's
 # wall-clock budget on one reply the harness never sees.
@@ -207,7 +210,11 @@ class TrialRunner:
         sandbox_s = 0.0  # each attempt's sandbox lives as long as the attempt
         for n in range(first_attempt, max(first_attempt, cfg.retries + 1) + 1):
             t = time.monotonic()
-            attempt = self.attempt(job, key, n)
+            try:
+                attempt = self.attempt(job, key, n)
+            except Exception as exc:  # one trial's trouble (its folder, the host's fds) never stops the stage
+                log.exception("trial %s attempt %d failed outside its own handling", key, n)
+                attempt = Attempt(Outcome.INFRA_ERROR, _line(exc), timings=Timings())
             sandbox_s += time.monotonic() - t
             if attempt.outcome is not Outcome.INFRA_ERROR or self.stopping.is_set():
                 break
@@ -299,24 +306,35 @@ class TrialRunner:
         except Exception as exc:  # legorl's own failure (the proxy, podman) is never the agent's
             return Attempt(Outcome.INFRA_ERROR, _line(exc), timings=timings)
         finally:
+            # Each step runs whatever the one before it raised: a row is owed, and what is left
+            # behind (a container, a folder) has its own sweeper (the reaper, the next attempt).
+            steps: list[tuple[str, Callable[[], object]]] = []
             if session is not None:
-                with contextlib.suppress(Exception):  # the failed attempt's capture is dropped anyway
-                    self.proxy.finish(session)
+                steps.append(("finish the session", functools.partial(self.proxy.finish, session)))
             if box is not None:
-                t3 = time.monotonic()
-                box.remove()
-                timings.sandbox_s = round((timings.sandbox_s or 0.0) + time.monotonic() - t3, 3)
-            defuse_tree(trial_dir)
+                steps.append(("remove the sandbox", functools.partial(self._remove, box, timings)))
+            steps.append(("defuse the trial folder", functools.partial(defuse_tree, trial_dir)))
             if listener is not None:
-                listener.close()
+                steps.append(("close the session socket", listener.close))
             if channel is not None:
-                channel.close()
+                steps.append(("close the channel", channel.close))
+            if not cfg.keep_home:
+                steps.append(("remove the trial's home", functools.partial(remove_tree, trial_dir / "home")))
+            for what, step in steps:
+                try:
+                    step()
+                except Exception:
+                    log.warning("trial %s: could not %s", key, what, exc_info=True)
             for name in ("agent_s", "patch_s"):
                 value = getattr(timings, name)
                 if value is not None:
                     setattr(timings, name, round(value, 3))
-            if not cfg.keep_home:
-                remove_tree(trial_dir / "home")
+
+    @staticmethod
+    def _remove(box: Sandbox, timings: Timings) -> None:
+        t = time.monotonic()
+        box.remove()
+        timings.sandbox_s = round((timings.sandbox_s or 0.0) + time.monotonic() - t, 3)
 
     def sandbox_spec(self, job: TrialJob, key: str, harness: Harness, trial_dir: Path,
                      channel: ProxyChannel | None = None) -> SandboxSpec:
