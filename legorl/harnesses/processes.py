@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from legorl.harnesses import warm
+from legorl.harnesses.host_limits import under_limits
 from legorl.harnesses.trialfiles import read_trial_text
 from legorl.sandbox.base import Sandbox
 
@@ -122,7 +123,7 @@ def _start(launch: Launch, env: dict[str, str], out: BinaryIO, cwd: Path, timeou
                 return server.spawn(launch.argv, env, cwd, out.fileno())
             except warm.WarmStartError as exc:
                 logger.warning("warm start of %s failed, starting it cold: %s", launch.argv[1], exc)
-    return subprocess.Popen(launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+    return subprocess.Popen(under_limits(launch.argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                             cwd=cwd, start_new_session=True)
 
 

@@ -44,6 +44,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from legorl.harnesses.host_limits import under_limits
+
 SERVER = Path(__file__).with_name("_forkserver.py")
 SWITCH = "LEGORL_WARM_START"
 _SOCKET_NAME = "fork.sock"  # _forkserver.SOCKET_NAME (that module runs in another interpreter)
@@ -148,7 +150,7 @@ class ForkServer:
         try:
             with open(self.folder / "server.log", "ab") as err:
                 self.proc = subprocess.Popen(
-                    [key.python, str(SERVER), str(self.folder), marker[0], *key.modules],
+                    under_limits([key.python, str(SERVER), str(self.folder), marker[0], *key.modules]),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=home,
                     env=key.environment(home) | {marker[0]: marker[1]}, start_new_session=True,
                 )
