@@ -14,14 +14,15 @@ from legorl.cli.options import ConfigOptions, with_configs
 from legorl.evaluation import EvalSettings
 from legorl.flows.policy import POLICY_FIELDS, PolicySpec
 from legorl.grading.grader import GRADE_FIELDS, GradeOptions  # taken prefixed --grade-: --grade-timeout, …
+from legorl.proxy.limits import ProxyLimits
 
 
 def register(app: typer.Typer) -> None:
     @app.command("eval")
     @with_configs(settings=ConfigOptions(EvalSettings, exclude=("grade",)),
                   grade=ConfigOptions(GradeOptions, only=GRADE_FIELDS, prefix="grade-"),
-                  policy=ConfigOptions(PolicySpec, only=POLICY_FIELDS))
-    def eval_command(settings: EvalSettings, grade: GradeOptions, policy: PolicySpec,
+                  policy=ConfigOptions(PolicySpec, only=POLICY_FIELDS), limits=ConfigOptions(ProxyLimits))
+    def eval_command(settings: EvalSettings, grade: GradeOptions, policy: PolicySpec, limits: ProxyLimits,
                      json_out: JsonOption = False) -> None:
         """Evaluate a model: rollouts and grades in RUN/eval, then pass@k per harness and repository.
 
@@ -39,6 +40,7 @@ def register(app: typer.Typer) -> None:
         if policy.model is not None:
             require_model_dir(policy.model)
         settings = dataclasses.replace(settings, grade=grade)
+        policy = dataclasses.replace(policy, limits=limits)
         with StageBar("eval rollout", Outcomes().add, transient=json_out) as rollout_bar, \
                 StageBar("eval grade", graded, transient=json_out) as grade_bar:
             result = evaluate(settings, policy, loading=loading, rollout=rollout_bar, grade=grade_bar)

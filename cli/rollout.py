@@ -7,13 +7,16 @@ import typer
 from legorl.cli.common import JsonOption, console, print_json
 from legorl.cli.options import ConfigOptions, with_configs
 from legorl.flows.policy import POLICY_FIELDS, PolicySpec
+from legorl.proxy.limits import ProxyLimits
 from legorl.stages.rollout import RolloutConfig
 
 
 def register(app: typer.Typer) -> None:
     @app.command("rollout")
-    @with_configs(cfg=ConfigOptions(RolloutConfig), policy=ConfigOptions(PolicySpec, only=POLICY_FIELDS))
-    def rollout_command(cfg: RolloutConfig, policy: PolicySpec, json_out: JsonOption = False) -> None:
+    @with_configs(cfg=ConfigOptions(RolloutConfig), policy=ConfigOptions(PolicySpec, only=POLICY_FIELDS),
+                  limits=ConfigOptions(ProxyLimits))
+    def rollout_command(cfg: RolloutConfig, policy: PolicySpec, limits: ProxyLimits, json_out: JsonOption = False,
+                        ) -> None:
         """Roll out: sandbox → proxy session → harness → patch → one trial row; resumable."""
         import contextlib
         import dataclasses
@@ -29,7 +32,7 @@ def register(app: typer.Typer) -> None:
         if policy.model is not None:
             require_model_dir(policy.model)
         run = cfg.run
-        policy = dataclasses.replace(policy, temperature=cfg.temperature)
+        policy = dataclasses.replace(policy, temperature=cfg.temperature, limits=limits)
         with open_policy(policy, loading=loading) as served:
             outcomes = Outcomes()
             started = time.monotonic()

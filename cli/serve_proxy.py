@@ -12,6 +12,7 @@ from legorl.cli.common import OptionalRunOption, console, fail, wait_for_stop
 from legorl.cli.options import ConfigOptions, with_configs
 from legorl.engines.config import EngineConfig
 from legorl.proxy.budgets import Budgets
+from legorl.proxy.limits import ProxyLimits
 
 # The budgets `serve-proxy` applies to every session unless its creator sets its own.
 BUDGET_FIELDS = ("max_turns", "max_total_tokens", "max_context", "max_wall_s", "max_tokens_per_call")
@@ -24,10 +25,12 @@ def _default_budgets(**values: object) -> Budgets:
 def register(app: typer.Typer) -> None:
     @app.command("serve-proxy")
     @with_configs(engine_config=ConfigOptions(EngineConfig),
-                  budgets=ConfigOptions(Budgets, only=BUDGET_FIELDS, factory=_default_budgets))
+                  budgets=ConfigOptions(Budgets, only=BUDGET_FIELDS, factory=_default_budgets),
+                  limits=ConfigOptions(ProxyLimits))
     def serve_proxy_command(
         engine_config: EngineConfig,
         budgets: Budgets,
+        limits: ProxyLimits,
         host: Annotated[str, typer.Option(help="Address to bind; loopback by default.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Port (0 = a free one).")] = 8000,
         run: OptionalRunOption = None,
@@ -58,7 +61,7 @@ def register(app: typer.Typer) -> None:
                                  run_dir=run, parser=parser,
                                  sampling=(SamplingOverride.policy(temperature, top_p) if temperature is not None
                                            else SamplingOverride(top_p=top_p)),
-                                 single_session=single_session).start()
+                                 single_session=single_session, limits=limits).start()
         except LegorlError as exc:
             fail(str(exc))
         console.print(f"[green]legorl proxy[/] serving {eng.name} at {server.base_url} "

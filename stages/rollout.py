@@ -29,6 +29,7 @@ from legorl.harnesses.install import require
 from legorl.harnesses.processes import kill_host_processes
 from legorl.paths import RunDir
 from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
+from legorl.proxy.limits import ProxyLimits
 from legorl.schemas import Kind, Outcome, TrialRow, trial_key
 from legorl.trials import SandboxFactory, TrialJob, TrialOptions, TrialRunner, image_for
 
@@ -131,7 +132,7 @@ def rollout_stage(
         raise ConfigError(f"--executor {cfg.executor}: workers make their own sandboxes (no sandbox factory)")
     if not remote:
         _prepare_host(cfg, jobs, install_images=create is None)
-    work: _TrialWork = (RemoteTrials(cfg, proxy.model, *_proxy_address(proxy)) if remote
+    work: _TrialWork = (RemoteTrials(cfg, proxy.model, *_proxy_address(proxy), proxy.limits) if remote
                         else LocalTrials(cfg, TrialRunner(cfg, proxy, create)))
     start = time.monotonic()
     engine = getattr(proxy, "engine", None)
@@ -214,15 +215,17 @@ class LocalTrials(_TrialWork):
 class RemoteTrials(_TrialWork):
     """Trials on executor workers, each process with its own runner, reaching the proxy by URL."""
 
-    def __init__(self, cfg: RolloutConfig, model: str, proxy_url: str, api_key: str | None):
+    def __init__(self, cfg: RolloutConfig, model: str, proxy_url: str, api_key: str | None,
+                 limits: ProxyLimits | None = None):
         # the paths as absolute ones: workers run in other directories
         config = Path(cfg.harness_config).resolve() if cfg.harness_config is not None else None
         super().__init__(replace(cfg, run=Path(cfg.run).resolve(), harness_config=config), model)
         self.proxy_url = proxy_url
         self.api_key = api_key
+        self.limits = limits
 
     def runner(self) -> Callable[[TrialJob, int], TrialRow]:
-        proxy = RemoteProxy(self.proxy_url, self.api_key)  # open for the worker process's life
+        proxy = RemoteProxy(self.proxy_url, self.api_key, self.limits)  # open for the worker process's life
         runner = TrialRunner(self.cfg, proxy)
         prepared: set[str] = set()
 

@@ -16,6 +16,7 @@ from legorl.engines.config import UPSTREAM_HELP, check_upstream
 from legorl.engines.watched import WatchedEngine
 from legorl.errors import LegorlError
 from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
+from legorl.proxy.limits import ProxyLimits
 
 # Wraps loading the engine from a model directory (a caller's spinner, say).
 Loading = Callable[[Path], AbstractContextManager[object]]
@@ -43,6 +44,7 @@ class PolicySpec:
     tokenizer: Path | None = None  # default: the model directory's
     engine_name: str | None = None  # the model name the proxy answers with (default: the engine's)
     max_context: int | None = None
+    limits: ProxyLimits = field(default_factory=ProxyLimits)  # what each trial's session may hold
 
     def validate(self) -> None:
         if (self.model is None) == (self.proxy_url is None):
@@ -96,14 +98,15 @@ def open_policy(spec: PolicySpec, *, loading: Loading | None = None) -> Iterator
     """The policy of ``spec``, served until the block ends; then the proxy and the engine are closed."""
     spec.validate()
     if spec.proxy_url is not None:
-        with RemoteProxy(spec.proxy_url, spec.api_key) as remote:
+        with RemoteProxy(spec.proxy_url, spec.api_key, limits=spec.limits) as remote:
             yield Policy(remote)
         return
     assert spec.model is not None
     with loading(spec.model) if loading is not None else contextlib.nullcontext():
         engine = _engine(spec, spec.model)
     try:
-        with InProcessProxy(engine, str(spec.tokenizer or spec.model), temperature=spec.temperature) as proxy:
+        with InProcessProxy(engine, str(spec.tokenizer or spec.model), temperature=spec.temperature,
+                            limits=spec.limits) as proxy:
             yield Policy(proxy, proxy.engine)
     except BaseException:
         with contextlib.suppress(Exception):  # the failure that got us here is the one to report

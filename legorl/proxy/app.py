@@ -44,6 +44,7 @@ from legorl.errors import LegorlError
 from legorl.proxy import anthropic_api, openai_api, responses_api
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.core import CallResult, ChatRequest, ContextOverflow, ProxyCore, Started, TextDelta
+from legorl.proxy.limits import BodyMeter, ProxyLimits, SessionLoad, check_request
 from legorl.proxy.sessions import Session
 from legorl.proxy.validate import SURROGATE_ESCAPE, BadRequest, without_lone_surrogates
 
@@ -74,10 +75,19 @@ def session_route(path: str, session_id: str) -> str | None:
     return None
 
 
+def api_of(path: str) -> str:
+    """Whose error format a request to ``path`` gets: ``anthropic`` or ``openai``."""
+    return "anthropic" if "/messages" in path else "openai"
+
+
 async def not_found(send: Send, path: str) -> None:
     """The 404 a session-bound socket answers for anything but its own session's model routes."""
-    api = "anthropic" if "/messages" in path else "openai"
-    await _error(send, api, 404, "not found on this session's socket", code="not_found")
+    await _error(send, api_of(path), 404, "not found on this session's socket", code="not_found")
+
+
+async def send_error(send: Send, path: str, exc: BadRequest) -> None:
+    """``exc`` answered in the error format of the API ``path`` names."""
+    await _error(send, api_of(path), exc.status, exc.message, exc.param, exc.code)
 
 
 class Disconnected(Exception):
@@ -86,12 +96,14 @@ class Disconnected(Exception):
 
 class ProxyApp:
     def __init__(self, core: ProxyCore, api_key: str | None = None, auto_create: bool = True,
-                 max_body_bytes: int = 64 << 20, single_session: bool = False):
+                 single_session: bool = False, limits: ProxyLimits | None = None):
         self.core = core
         self.api_key = api_key
         self.auto_create = auto_create
         self.single_session = single_session
-        self.max_body = max_body_bytes
+        self.limits = limits or ProxyLimits()
+        self.max_body = self.limits.max_body_bytes
+        self.load = SessionLoad(self.limits)  # what each session has in flight
 
     def bound_to(self, session_id: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         """The app a socket bound to ``session_id`` serves (see the module docstring)."""
@@ -119,7 +131,7 @@ class ProxyApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        api = "anthropic" if ("/messages" in path) else "openai"
+        api = api_of(path)
         try:
             await self._route(scope, receive, send, path, method, api, bound)
         except BadRequest as exc:
@@ -169,15 +181,19 @@ class ProxyApp:
                     "(Anthropic), with an id from POST /sessions", status=404, code="not_found")
             create = bound is None and (self.auto_create or session_id is None)
             session = self._session(session_id or "default", create=create)
-            body = _parse_json(await read_body(receive, self.max_body))
             kind = "anthropic" if sub in _ANTHROPIC_ROUTES else "responses" if sub in _RESPONSES_ROUTES else "openai"
-            await self._chat(send, session, body, kind)
+            with self.load.call(session.id) as meter:
+                body = _parse_json(await read_body(receive, self.max_body, meter=meter))
+                check_request(body, kind, self.limits)
+                await self._chat(send, session, body, kind)
             return
         if sub in _COUNT_ROUTES:
             _require(method, "POST")
-            req, _ = anthropic_api.parse_request(_parse_json(await read_body(receive, self.max_body)),
-                                                 self.core.engine.name)
-            await _json(send, 200, {"input_tokens": await asyncio.to_thread(self._count, req)})  # CPU work
+            with self.load.call(session_id or "default") as meter:
+                body = _parse_json(await read_body(receive, self.max_body, meter=meter))
+                check_request(body, "anthropic", self.limits)
+                req, _ = anthropic_api.parse_request(body, self.core.engine.name)
+                await _json(send, 200, {"input_tokens": await asyncio.to_thread(self._count, req)})  # CPU work
             return
         if session_id is not None and (sub == "/trajectory" or sub == "/"):
             if sub == "/" and method == "DELETE":
@@ -378,7 +394,9 @@ def _parse_json(raw: bytes) -> Any:
     return without_lone_surrogates(body) if SURROGATE_ESCAPE.search(text) else body
 
 
-async def read_body(receive: Receive, limit: int, allow_empty: bool = False) -> bytes:
+async def read_body(receive: Receive, limit: int, allow_empty: bool = False, meter: BodyMeter | None = None) -> bytes:
+    """The request's body, at most ``limit`` bytes (a 413); each chunk is charged to ``meter`` (a
+    session's bytes in flight: a 429 past its limit) before it is kept."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -389,6 +407,8 @@ async def read_body(receive: Receive, limit: int, allow_empty: bool = False) -> 
         size += len(chunk)
         if size > limit:
             raise BadRequest(f"request body over {limit} bytes", status=413, code="request_too_large")
+        if meter is not None:
+            meter.take(len(chunk))
         chunks.append(chunk)
         if not msg.get("more_body", False):
             break
@@ -406,9 +426,9 @@ async def _json(send: Send, status: int, data: Any) -> None:
 
 
 _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    405: "invalid_request_error", 413: "request_too_large", 500: "api_error"}
+                    405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error"}
 _OPENAI_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
+                 405: "invalid_request_error", 413: "invalid_request_error", 429: "requests", 500: "server_error"}
 
 
 async def _error(send: Send, api: str, status: int, message: str, param: str | None = None,

@@ -18,6 +18,7 @@ from legorl.engines.base import Engine
 from legorl.engines.watched import WatchedEngine
 from legorl.errors import LegorlError
 from legorl.proxy.budgets import Budgets
+from legorl.proxy.limits import ProxyLimits
 from legorl.proxy.sessions import SessionCapture
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class ProxyHandle(Protocol):
 
     model: str
     context_tokens: int | None
+    limits: ProxyLimits  # what each session socket it serves may hold
 
     def new_session(self, budgets: Budgets, metadata: dict[str, Any]) -> tuple[str, str, str]:
         """A fresh session: (id, OpenAI base URL, Anthropic base URL), reachable from the host."""
@@ -57,14 +59,16 @@ def empty_capture(session_id: str) -> SessionCapture:
 class InProcessProxy:
     """A :class:`~legorl.proxy.server.ProxyServer` on a loopback port of this process."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, temperature: float | None = None):
+    def __init__(self, engine: Engine, tokenizer: Any, temperature: float | None = None,
+                 limits: ProxyLimits | None = None):
         """``temperature``, when given, is what every call samples at, whatever the harness asks."""
         from legorl.proxy.core import SamplingOverride
         from legorl.proxy.server import ProxyServer
 
         self.engine = WatchedEngine(engine)
         sampling = SamplingOverride.policy(temperature) if temperature is not None else None
-        self.server = ProxyServer(self.engine, tokenizer, sampling=sampling)
+        self.server = ProxyServer(self.engine, tokenizer, sampling=sampling, limits=limits)
+        self.limits = self.server.limits
         self.model = engine.name
         self.context_tokens: int | None = engine.max_context
 
@@ -92,11 +96,13 @@ class RemoteProxy:
     (:class:`~legorl.proxy.session_socket.SessionForwarder`) that relays its model routes to the
     proxy's session URL over TCP."""
 
-    def __init__(self, url: str, api_key: str | None = None):
+    def __init__(self, url: str, api_key: str | None = None, limits: ProxyLimits | None = None):
+        """``limits``: what each session socket served here may hold (the proxy applies its own)."""
         import httpx
 
         self.url = url.rstrip("/")
         self.api_key = api_key
+        self.limits = limits or ProxyLimits()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=60)
         self._loop: LoopThread | None = None  # serves the session sockets, started on first use
@@ -134,9 +140,10 @@ class RemoteProxy:
                 self._loop = LoopThread()
                 self._forward = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0))
             assert self._forward is not None
-            app = self._forwarders[session_id] = SessionForwarder(self.url, session_id, self._forward, self.api_key)
+            app = self._forwarders[session_id] = SessionForwarder(self.url, session_id, self._forward, self.api_key,
+                                                                  self.limits)
             loop = self._loop.loop
-        return SessionSocket(app, path, loop)
+        return SessionSocket(app, path, loop, limits=self.limits)
 
     def new_session(self, budgets: Budgets, metadata: dict[str, Any]) -> tuple[str, str, str]:
         body = {"budgets": {k: v for k, v in budgets.to_dict().items() if v is not None}, "metadata": metadata}

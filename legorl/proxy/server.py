@@ -26,6 +26,7 @@ from legorl.errors import LegorlError
 from legorl.proxy.app import ProxyApp
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.core import ProxyCore, SamplingOverride
+from legorl.proxy.limits import ProxyLimits
 from legorl.proxy.render import ChatRenderer
 from legorl.proxy.session_socket import SessionSocket
 from legorl.proxy.sessions import SessionCapture
@@ -78,6 +79,7 @@ class ProxyServer:
         auto_create: bool = True,
         sampling: SamplingOverride | None = None,
         single_session: bool = False,
+        limits: ProxyLimits | None = None,
     ):
         if isinstance(tokenizer, str | Path):
             tokenizer = load_tokenizer(tokenizer)
@@ -85,7 +87,9 @@ class ProxyServer:
         tool_parser = get_parser(parser) if isinstance(parser, str) else parser
         self.sink = ShardSink(run_dir) if run_dir is not None else None
         self.core = ProxyCore(engine, self.renderer, tool_parser, budgets, on_finish=self.sink, sampling=sampling)
-        self.app = ProxyApp(self.core, api_key=api_key, auto_create=auto_create, single_session=single_session)
+        self.limits = limits or ProxyLimits()
+        self.app = ProxyApp(self.core, api_key=api_key, auto_create=auto_create, single_session=single_session,
+                            limits=self.limits)
         self.host = host
         self._port = port
         self._sock: socket.socket | None = None
@@ -188,7 +192,7 @@ class ProxyServer:
         endpoint: see :mod:`legorl.proxy.session_socket`); ``close()`` it when the trial is over."""
         if self.loop is None or self.core.get(session_id) is None:
             raise LegorlError(f"cannot serve session {session_id}: the proxy is not running or has no such session")
-        return SessionSocket(self.app.bound_to(session_id), path, self.loop)
+        return SessionSocket(self.app.bound_to(session_id), path, self.loop, limits=self.limits)
 
     def capture(self, session_id: str) -> SessionCapture:
         session = self.core.get(session_id)
