@@ -1,11 +1,15 @@
 """Sandbox backend choice, measured: the podman CLI (what legorl uses) vs podman-py over a private
 ``podman system service`` socket, on the same image and container options.
 
-    .venv/bin/python benchmarks/sandbox.py [--starts 5] [--execs 20] [--copies 10]
+    .venv/bin/python benchmarks/sandbox.py [--starts 5] [--execs 20] [--copies 10] [--reader-only]
 
 Prints per-operation medians and the ratios CLI / podman-py and CLI / legorl's hybrid backend
-(> 1: the CLI is slower).
+(> 1: the CLI is slower); "exec 10MB" is a command printing 10 MB (legorl keeps at most
+MAX_EXEC_OUTPUT of it, streamed through bounded buffers on either path).
 Needs podman and the base image (`legorl setup`).
+
+First, without podman: what reading a child's output through legorl's bounded reader
+(:mod:`legorl.sandbox.bounded`) costs against ``subprocess.run(capture_output=True)``.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from legorl.sandbox import PodmanBackend, SandboxSpec, base_image
+from legorl.sandbox import PodmanBackend, SandboxSpec, base_image, bounded
 from legorl.sandbox.host import podman_env, podman_path, require_image
+from legorl.sandbox.podman import EXEC_OUTPUT, STDERR
 
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
+BIG = ["head", "-c", "10000000", "/dev/zero"]  # 10 MB of output
 
 
 def timed(fn: Callable[[], Any], n: int) -> list[float]:
@@ -34,6 +40,17 @@ def timed(fn: Callable[[], Any], n: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - start)
     return out
+
+
+def bench_reader(n: int) -> None:
+    """bounded.run against subprocess.run(capture_output=True) on the same commands."""
+    cases = {"small (echo)": ["echo", "hello"], "10 MB": BIG, "100 MB (90 MB dropped)": ["head", "-c", "100000000", "/dev/zero"]}
+    print(f"{'reader (median)':<24}{'subprocess ms':>15}{'bounded ms':>12}{'bounded/subprocess':>20}")
+    for name, argv in cases.items():
+        plain = timed(lambda argv=argv: subprocess.run(argv, capture_output=True), n)  # type: ignore[misc]
+        capped = timed(lambda argv=argv: bounded.run(argv, stdout=EXEC_OUTPUT, stderr=STDERR), n)  # type: ignore[misc]
+        p, b = statistics.median(plain), statistics.median(capped)
+        print(f"{name:<24}{p * 1000:>15.1f}{b * 1000:>12.1f}{b / p:>20.2f}")
 
 
 def bench_backend(api: str, image: str, starts: int, execs: int, copies: int) -> dict[str, list[float]]:
@@ -50,6 +67,7 @@ def bench_backend(api: str, image: str, starts: int, execs: int, copies: int) ->
     with backend.create(spec) as box:
         res["exec"] = timed(lambda: box.exec(["true"]), execs)
         res["exec+timeout"] = timed(lambda: box.exec(["true"], timeout=60), execs)
+        res["exec 10MB"] = timed(lambda: box.exec(BIG), execs)
         res["copy-in 1MiB"] = timed(lambda: box.put_file("/tmp/payload.bin", PAYLOAD), copies)
         assert box.get_file("/tmp/payload.bin") == PAYLOAD
     return res
@@ -96,6 +114,7 @@ def bench_podman_py(image: str, starts: int, execs: int, copies: int) -> tuple[d
 
                 res["exec"] = timed(one_exec, execs)
                 res["exec+timeout"] = timed(lambda: ctr.exec_run(["timeout", "60", "true"], demux=True), execs)
+                res["exec 10MB"] = timed(lambda: ctr.exec_run(BIG, demux=True), execs)
 
                 def copy_in() -> None:
                     buf = io.BytesIO()
@@ -119,7 +138,11 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--execs", type=int, default=20)
     parser.add_argument("--copies", type=int, default=10)
+    parser.add_argument("--reader-only", action="store_true", help="only the bounded reader against subprocess.run")
     args = parser.parse_args()
+    bench_reader(args.execs)
+    if args.reader_only:
+        return
     image = base_image()
     require_image(image)
     cli = bench_backend("cli", image, args.starts, args.execs, args.copies)

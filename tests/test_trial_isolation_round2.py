@@ -8,7 +8,10 @@ call through the relay, so the policy "has spoken" and nothing after it may be i
 
 Status after the fixes that followed: R2-1 (no MKNOD/SETFCAP, nodev/nosuid mounts, a 0700
 trial-folder parent, setuid bits swept), R2-2 (``rm -rf``), R2-3 (timed execs never go through the
-API service) and R2-5 (a 20 MB cap) pass; R2-4, R2-6 and R2-7 are open, marked xfail with the reason.
+API service), R2-4 (the agent's git filters off when the patch is taken) and R2-5 (a 20 MB cap)
+pass; R2-6 and R2-7 are open, marked xfail with the reason. The resources section (issue #25) runs
+floods beside another session: a connection flood on the trial's socket and an output flood on its
+exec's pipe.
 
 Each test asserts the SAFE behaviour; each failed against commit 6b9855f (where this file
 landed). R2-2, R2-3 and R2-5 pass with the fixes in the working tree at the time of writing
@@ -34,7 +37,8 @@ file-capability plant (the device nodes and setuid bits are fixed):
   API service, where ``_run`` ignores its timeout: the stage hangs for ever.
 - R2-4 ``test_the_patch_is_what_the_tree_holds``: a clean filter rewrites what ``git add`` stages,
   so the recorded patch holds text that is in no file of the agent's tree (git runs with the
-  agent's ``.git/config`` and ``.gitattributes``; only ``safe.directory`` is set for it).
+  agent's ``.git/config`` and ``.gitattributes``; only ``safe.directory`` is set for it). Fixed
+  since: every filter the agent's config names is emptied for the patch's git, and textconv is off.
 - R2-5 ``test_the_patch_taken_from_the_container_is_capped``: an untracked 48 MB random file
   makes a ~65 MB ``--binary`` patch, held whole in the host's memory and written into the row:
   no cap (the trial-file reader caps at 16 MB; the patch has none).
@@ -300,7 +304,9 @@ save()
 
 def test_patch_extraction_is_bounded(proxy: InProcessProxy, agent: type[Agent], base_image: str,
                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The patch's own limit (600 s) is cut to 8 s here, so a bounded extraction shows in time."""
+    """The patch's own limit (600 s) is cut to 8 s here, so a bounded extraction shows in time. The
+    agent's git filters no longer run when the patch is taken, so the agent hangs git itself (a
+    ``git`` of its own first on the container's PATH)."""
     from legorl.sandbox.podman import PodmanSandbox
 
     original = PodmanSandbox._run
@@ -311,7 +317,12 @@ def test_patch_extraction_is_bounded(proxy: InProcessProxy, agent: type[Agent], 
         return original(self, argv, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(PodmanSandbox, "_run", quick)
-    agent.SCRIPT = _clean_filter("hang", "sleep 3600", "*", "x = 1")
+    agent.SCRIPT = r'''
+with open("/usr/local/bin/git", "w") as handle:
+    handle.write("#!/bin/sh\nexec sleep 3600\n")
+os.chmod("/usr/local/bin/git", 0o755)
+save()
+'''
     run = _run_dir(tmp_path)
     result: dict[str, object] = {}
 
@@ -338,7 +349,6 @@ def test_patch_extraction_is_bounded(proxy: InProcessProxy, agent: type[Agent], 
 # --------------------------------------------------------------------------- R2-4
 
 
-@pytest.mark.xfail(strict=True, reason="open (accepted): the patch is what git stages under the agent's own attributes; the grade judges that patch, which is the agent's choice either way")
 def test_the_patch_is_what_the_tree_holds(proxy: InProcessProxy, agent: type[Agent], base_image: str,
                                           tmp_path: Path) -> None:
     agent.SCRIPT = _clean_filter("forge", "sed s/REAL_CHANGE/FORGED_CHANGE/", "agent_note.py", "REAL_CHANGE = 1")
@@ -438,6 +448,113 @@ save()
     assert _agent_out(run).get("counts") == [200, 200, 200] and not row.infra_failure, row.error
     # SAFE: another session's call never waits seconds on what one trial sends
     assert max(latencies) < 2.0, f"a bystander's call waited {max(latencies):.1f} s ({len(latencies)} calls)"
+
+
+# --------------------------------------------------------------------------- resources (issue #25)
+
+
+class Bystander:
+    """Another trial's session on the same proxy, called every 0.2 s while an attack runs, with this
+    process's (the rollout stage's) open descriptors and resident memory sampled beside it."""
+
+    def __init__(self, proxy: InProcessProxy) -> None:
+        self.server = proxy.server
+        self.session = self.server.new_session()
+        self.latencies: list[float] = []
+        self.statuses: list[int] = []
+        self.fds: list[int] = []
+        self.rss_mb: list[float] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> Bystander:
+        self.fds.append(len(os.listdir("/proc/self/fd")))
+        self.rss_mb.append(_rss_mb())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(120)
+
+    def _poll(self) -> None:
+        import httpx
+
+        client = httpx.Client(base_url=self.server.base_url, timeout=120)
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        while not self._done.is_set():
+            t0 = time.monotonic()
+            self.statuses.append(client.post(f"/sess/{self.session}/v1/chat/completions", json=chat).status_code)
+            self.latencies.append(time.monotonic() - t0)
+            self.fds.append(len(os.listdir("/proc/self/fd")))
+            self.rss_mb.append(_rss_mb())
+            time.sleep(0.2)
+
+    def check(self) -> str:
+        """The bystander's calls all succeeded within a couple of seconds; a summary line."""
+        assert self.statuses and set(self.statuses) == {200}, self.statuses
+        assert max(self.latencies) < 2.0, f"a bystander's call waited {max(self.latencies):.1f} s"
+        return (f"{len(self.latencies)} bystander calls, max {max(self.latencies) * 1000:.0f} ms; fds "
+                f"{self.fds[0]} -> max {max(self.fds)}; RSS {self.rss_mb[0]:.0f} -> max {max(self.rss_mb):.0f} MB")
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_a_connection_flood_costs_the_stage_no_descriptors(proxy: InProcessProxy, agent: type[Agent],
+                                                           base_image: str, tmp_path: Path) -> None:
+    """20,000 connections held open on the trial's own session socket (they took every descriptor of
+    the rollout process, and the stage died): the socket accepts a few dozen, the kernel refuses the
+    rest, the bystander's calls go on, and the session serves the trial again once it lets go."""
+    agent.SCRIPT = r'''
+held, refused = [], 0
+for _ in range(20000):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect(cfg["socket"])
+    except OSError:  # EAGAIN: the socket's backlog is full
+        refused += 1
+        s.close()
+        continue
+    held.append(s)
+out["held"], out["refused"] = len(held), refused
+time.sleep(6)
+for s in held:
+    s.close()
+out["after"] = call()
+save()
+'''
+    run = _run_dir(tmp_path)
+    with Bystander(proxy) as bystander:
+        [row] = _rollout(run, proxy)
+    seen = _agent_out(run)
+    print(seen["held"], "held,", seen["refused"], "refused;", bystander.check())
+    assert not row.infra_failure and seen["after"] == 200, (row.error, seen)
+    assert seen["refused"] > 10000, seen  # the cap, not the container's descriptors, stopped it
+    assert max(bystander.fds) - bystander.fds[0] < 500, bystander.fds
+
+
+def test_an_output_flood_costs_the_stage_a_fixed_memory_budget(proxy: InProcessProxy, agent: type[Agent],
+                                                               base_image: str, tmp_path: Path) -> None:
+    """The in-container harness writes 1.5 GB to its exec's stdout (the pipe the host reads; it grew
+    the rollout process by 4 GB): the host keeps a bounded part, the trial is the agent's."""
+    agent.SCRIPT = r'''
+save()
+chunk = b"x" * (1 << 20)
+for _ in range(1536):
+    os.write(1, chunk)
+'''
+    run = _run_dir(tmp_path)
+    with Bystander(proxy) as bystander:
+        [row] = _rollout(run, proxy, timeout_s=180.0)
+    print(bystander.check())
+    assert not row.infra_failure, row.error
+    assert max(bystander.rss_mb) - bystander.rss_mb[0] < 500, bystander.rss_mb
 
 
 # --------------------------------------------------------------------------- held

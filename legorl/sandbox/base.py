@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 MAX_PATCH_BYTES = 20_000_000  # the most a trial's patch may hold (Sandbox.patch refuses more; so does grading)
+# What the host keeps of one command's output, whatever the container writes: its first and last
+# halves, the middle dropped and marked (legorl.sandbox.bounded).
+MAX_EXEC_OUTPUT = 16_000_000
+MAX_FILE_BYTES = 64_000_000  # the largest file Sandbox.get_file reads back by default
 
 
 @dataclass
@@ -23,12 +27,18 @@ class SandboxSpec:
     # Always False: every container runs with --network none (a trial reaches its proxy session
     # through a unix socket mounted in, see legorl.harnesses.channel); True is refused.
     network: bool = False
-    memory: str = "4g"
+    memory: str = "4g"  # tmpfs pages count against it too
     pids_limit: int = 1024
+    nofile: int = 16384  # open files per process (lowered to the host's hard limit where that is less)
     cpus: float | None = None
     mounts: tuple[tuple[str, str, bool], ...] = ()  # (host path, container path, read_only)
     read_only: bool = False  # the image's filesystem read-only: writes go only to the tmpfs mounts
     tmpfs: tuple[tuple[str, str], ...] = ()  # (container path, mount options, e.g. "size=1g,mode=1777")
+    tmpfs_size: str = "1g"  # the size of a tmpfs mount whose options name none (the kernel's default: half the RAM)
+    # What the container's PID 1 writes (any process there can open /proc/1/fd/1) would be conmon's
+    # log file on the host's disk, unbounded: discarded instead. Execs and run_once's attached
+    # output are not logs and are unaffected.
+    log_driver: str = "none"
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/testbed"
     deadline_s: float | None = None  # wall-clock lifetime after which the reaper removes it
@@ -48,7 +58,9 @@ class Sandbox(Protocol):
 
     def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
 
-    def get_file(self, path: str) -> bytes: ...
+    def get_file(self, path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+        """The file's bytes; FileNotFoundError if absent, an error if it holds more than ``max_bytes``."""
+        ...
 
     def put_dir(self, host_dir: str, path: str) -> None: ...
 

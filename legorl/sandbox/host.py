@@ -25,6 +25,7 @@ from typing import Literal
 
 from legorl.errors import LegorlError
 from legorl.paths import cache_dir, file_lock
+from legorl.sandbox import bounded
 
 Status = Literal["ok", "fixed", "failed", "manual", "skipped"]
 
@@ -86,7 +87,8 @@ def containers_conf_path() -> Path:
     return cache_dir() / "containers.conf"
 
 
-def _ulimit(kind: int, want: int) -> int:
+def hard_limit(kind: int, want: int) -> int:
+    """``want``, lowered to this process's hard limit of ``kind`` (a container asking for more never starts)."""
     _soft, hard = resource.getrlimit(kind)
     return want if hard == resource.RLIM_INFINITY else min(want, hard)
 
@@ -98,16 +100,21 @@ def _pid_max() -> int:
         return 32768
 
 
+def nproc_limit() -> int:
+    """The containers' nproc limit. It counts every process of the uid on the whole host (rootful:
+    all of root's), so it must be high; but runc cannot set it above pid_max here (measured: 32768
+    works, 32769 does not). A container's own processes are bounded by its pids limit instead."""
+    return min(hard_limit(resource.RLIMIT_NPROC, 65536), _pid_max())
+
+
 def containers_conf_text() -> str:
     """runc (crun fails on these hosts' hybrid cgroups) and ulimits no higher than the hard limits.
 
     podman's default ulimits (nofile 1048576) exceed the hard limits of many hosts, and a
     container asking for more than the hard limit never starts.
     """
-    nofile = _ulimit(resource.RLIMIT_NOFILE, 65536)
-    # nproc counts every process of the uid on the whole host (rootful: all of root's), so it must
-    # be high; but runc cannot set it above pid_max here (measured: 32768 works, 32769 does not).
-    nproc = min(_ulimit(resource.RLIMIT_NPROC, 65536), _pid_max())
+    nofile = hard_limit(resource.RLIMIT_NOFILE, 65536)
+    nproc = nproc_limit()
     lines = [
         "# Written by `legorl setup`; legorl points CONTAINERS_CONF here for every podman call.",
         "[containers]",
@@ -171,15 +178,21 @@ def podman_path() -> str:
     return path
 
 
+PODMAN_OUTPUT = 64_000_000  # the most of a podman command's stdout run_podman keeps (its head: a cut answer fails to parse)
+PODMAN_STDERR = 1_000_000
+
+
 def run_podman(
     args: Sequence[str], *, input: bytes | None = None, timeout: float | None = None, check: bool = True,
 ) -> subprocess.CompletedProcess[bytes]:
     """Run ``podman ARGS`` with legorl's containers.conf; a failure is a one-line LegorlError."""
     cmd = [podman_path(), *args]
-    try:
-        proc = subprocess.run(cmd, input=input, capture_output=True, timeout=timeout, env=podman_env())
-    except subprocess.TimeoutExpired as exc:
-        raise LegorlError(f"`podman {' '.join(args[:2])}` did not answer within {timeout:g} s") from exc
+    # podman's answers name what containers hold (paths, errors): read without trusting their size
+    out = bounded.run(cmd, input=input, timeout=timeout, env=podman_env(), stdout=bounded.Cap(PODMAN_OUTPUT, 0),
+                      stderr=bounded.Cap.halves(PODMAN_STDERR))
+    if out.timed_out:
+        raise LegorlError(f"`podman {' '.join(args[:2])}` did not answer within {timeout:g} s")
+    proc = subprocess.CompletedProcess(cmd, out.returncode, out.stdout, out.stderr)
     if check and proc.returncode != 0:
         err = proc.stderr.decode(errors="replace").strip().splitlines()
         raise LegorlError(f"`podman {' '.join(args[:2])}` failed: {err[-1] if err else f'exit {proc.returncode}'}")

@@ -8,7 +8,8 @@ through the REST API (each CLI call pays ~0.1–0.2 s of process start-up), and 
 run does dozens of them, so those go through a private ``podman system service``
 (:mod:`legorl.sandbox.service`) when one can be started, and through the CLI otherwise
 (``PodmanBackend(api="cli")`` forces the CLI). Harnesses that shell out to ``podman exec``
-(mini-swe-agent) work the same with either.
+(mini-swe-agent) work the same with either. On both paths the output is streamed into bounded
+buffers (:mod:`legorl.sandbox.bounded`): any process in a container can write to an exec's pipes.
 
 A job that needs no back-and-forth with the container (grading) uses :meth:`PodmanBackend.run_once`
 instead: one ``podman run --rm -i`` with its input on stdin creates, runs and removes the container
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
-import subprocess
 import tarfile
 import threading
 import time
@@ -38,8 +39,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-from legorl.sandbox import live
-from legorl.sandbox.base import MAX_PATCH_BYTES, ExecResult, SandboxSpec
+from legorl.sandbox import bounded, live
+from legorl.sandbox.base import MAX_EXEC_OUTPUT, MAX_FILE_BYTES, MAX_PATCH_BYTES, ExecResult, SandboxSpec
+from legorl.sandbox.bounded import Cap
 from legorl.sandbox.errors import SandboxError
 from legorl.sandbox.host import podman_env, podman_path, require_image, run_podman
 from legorl.sandbox.live import live_sandboxes as live_sandboxes
@@ -50,6 +52,28 @@ KILL_GRACE_S = 2.0  # TERM → KILL inside the container
 HOST_GRACE_S = 10.0  # how much longer the host waits before killing the group itself
 _TOKEN = "LEGORL_EXEC"
 PATCH_TIMEOUT_S = 600.0
+EXEC_OUTPUT = Cap.halves(MAX_EXEC_OUTPUT)
+STDERR = Cap(100_000, 900_000)  # an exec's stderr: podman's own messages (the command's joins its stdout)
+# run_once (grading) keeps what the grading script can print whole: 20 MB of test output and a 50 MB
+# report as base64 (legorl.grading.script) fit in the tail after any flood of the patch appliers'
+# output. A cut there loses events, which fails the run (the patch's 0), never passes it.
+RUN_ONCE_OUTPUT = Cap(32_000_000, 96_000_000)
+
+
+def _read_upto(raw: io.RawIOBase, n: int) -> bytes:
+    """``n`` bytes from ``raw``, fewer only at its end."""
+    data = b""
+    while len(data) < n and (more := raw.read(n - len(data))):
+        data += more
+    return data
+
+
+def _text(out: bounded.Output) -> str:
+    """stdout then stderr, decoded (without a joined copy of the bytes: they may be 128 MB)."""
+    text = out.stdout.decode(errors="replace")
+    if out.stderr:
+        text += out.stderr.decode(errors="replace")
+    return text
 
 
 class PodmanBackend:
@@ -114,21 +138,19 @@ class PodmanBackend:
         start = time.monotonic()
         clean = False
         try:
-            proc = subprocess.run([podman_path(), *self.run_args(spec, name, command, detach=False)],
-                                  input=stdin if stdin is not None else b"", capture_output=True, env=podman_env(),
-                                  timeout=timeout)
-            clean = proc.returncode != 125  # 125: podman itself failed, maybe half-way through
-        except subprocess.TimeoutExpired as exc:  # the client is killed; the container is removed below
-            out = exc.stdout or b""
-            return ExecResult(137, out.decode(errors="replace"), True, time.monotonic() - start)
+            out = bounded.run([podman_path(), *self.run_args(spec, name, command, detach=False)],
+                              input=stdin if stdin is not None else b"", timeout=timeout, env=podman_env(),
+                              stdout=RUN_ONCE_OUTPUT, stderr=STDERR)
+            clean = not out.timed_out and out.returncode != 125  # 125: podman itself failed, maybe half-way through
         finally:
             if clean:
                 box._removed = True
                 live.forget(name)
-            else:
+            else:  # a timeout killed the client only; the container is removed here
                 box.remove()
-        return ExecResult(proc.returncode, (proc.stdout + proc.stderr).decode(errors="replace"), False,
-                          time.monotonic() - start)
+        if out.timed_out:
+            return ExecResult(137, out.stdout.decode(errors="replace"), True, time.monotonic() - start)
+        return ExecResult(out.returncode, _text(out), False, time.monotonic() - start)
 
 
 class PodmanSandbox:
@@ -171,26 +193,57 @@ class PodmanSandbox:
 
     def _run(self, argv: list[str], *, workdir: str | None = None, env: dict[str, str] | None = None,
              user: str | None = None, stdin: bytes | None = None, timeout: float | None = None,
-             ) -> tuple[int, bytes, bytes]:
-        """One exec: (exit code, stdout, stderr), through the API service when there is one."""
+             stdout: Cap = EXEC_OUTPUT, stderr: Cap = STDERR) -> bounded.Output:
+        """One exec, at most ``stdout`` and ``stderr`` of its output kept; through the API service when
+        there is one and the exec needs neither stdin nor a timeout (the API has no timeout)."""
         workdir = workdir or self.spec.workdir or None
-        if self._service is not None and stdin is None and timeout is None:  # the API has no timeout
-            from podman.errors import APIError, NotFound
+        if self._service is not None and stdin is None and timeout is None:
+            return self._api_exec(argv, workdir=workdir, env=env, user=user, stdout=stdout, stderr=stderr)
+        return bounded.run(self.exec_argv(argv, workdir=workdir, env=env, user=user, interactive=stdin is not None),
+                           input=stdin, timeout=timeout, env=podman_env(), stdout=stdout, stderr=stderr)
 
-            try:
-                code, (out, err) = self._service.container(self.name).exec_run(
-                    argv, demux=True, workdir=workdir, user=user, environment=env or {})
-            except NotFound as exc:
-                raise SandboxError(f"{self.name}: container is gone") from exc
-            except APIError as exc:
-                raise SandboxError(f"{self.name}: exec failed: {exc}") from exc
-            except OSError as exc:  # the service died: this process uses the CLI from now on
-                self._service = None
-                raise SandboxError(f"{self.name}: lost the podman API service: {exc}") from exc
-            return (code if code is not None else -1), out or b"", err or b""
-        proc = subprocess.run(self.exec_argv(argv, workdir=workdir, env=env, user=user, interactive=stdin is not None),
-                              input=stdin, capture_output=True, env=podman_env(), timeout=timeout)
-        return proc.returncode, proc.stdout, proc.stderr
+    def _api_exec(self, argv: list[str], *, workdir: str | None, env: dict[str, str] | None, user: str | None,
+                  stdout: Cap, stderr: Cap) -> bounded.Output:
+        """An exec through the API service, its multiplexed output streamed into bounded buffers
+        (podman-py's ``exec_run`` would hold all of it, then copy it once a frame)."""
+        from podman.errors import APIError, NotFound
+
+        assert self._service is not None
+        api = self._service.client().api
+        body = {"AttachStdout": True, "AttachStderr": True, "AttachStdin": False, "Tty": False, "Cmd": argv,
+                "Env": [f"{k}={v}" for k, v in (env or {}).items()], "WorkingDir": workdir}
+        if user:
+            body["User"] = user
+        kept = {1: bounded.Capped(stdout), 2: bounded.Capped(stderr)}
+        try:
+            created = api.post(f"/containers/{self.name}/exec", data=json.dumps(body))
+            created.raise_for_status()
+            exec_id = created.json()["Id"]
+            started = api.post(f"/exec/{exec_id}/start", data=json.dumps({"Detach": False, "Tty": False}), stream=True)
+            started.raise_for_status()
+            with contextlib.closing(started):
+                raw = started.raw
+                while len(header := _read_upto(raw, 8)) == 8:  # a frame: stream (1 out, 2 err), 3 pad, 4 size
+                    left = int.from_bytes(header[4:], "big")
+                    sink = kept.get(header[0], kept[2])
+                    while left and (chunk := raw.read(min(left, bounded.CHUNK))):
+                        sink.feed(chunk)
+                        left -= len(chunk)
+                    if left:
+                        break
+            inspected = api.get(f"/exec/{exec_id}/json")
+            inspected.raise_for_status()
+            code = inspected.json().get("ExitCode")
+        except NotFound as exc:
+            raise SandboxError(f"{self.name}: container is gone") from exc
+        except APIError as exc:
+            raise SandboxError(f"{self.name}: exec failed: {exc}") from exc
+        except OSError as exc:  # the service died: this process uses the CLI from now on
+            self._service = None
+            raise SandboxError(f"{self.name}: lost the podman API service: {exc}") from exc
+        out, err = kept[1], kept[2]
+        return bounded.Output(code if isinstance(code, int) else -1, out.value(), err.value(), False,
+                              out.dropped, err.dropped)
 
     def exec(
         self, command: str | list[str], timeout: float | None = None, workdir: str | None = None,
@@ -219,25 +272,25 @@ class PodmanSandbox:
             watchdog.daemon = True
             watchdog.start()
         try:
-            code, out, err = self._run(full, workdir=workdir, env=env, user=user, stdin=stdin,
-                                       timeout=None if timeout is None else timeout + KILL_GRACE_S + 60)
-        except subprocess.TimeoutExpired as exc:
-            self.kill_tagged(token)
-            return ExecResult(137, (exc.stdout or b"").decode(errors="replace"), True, time.monotonic() - start)
+            res = self._run(full, workdir=workdir, env=env, user=user, stdin=stdin,
+                            timeout=None if timeout is None else timeout + KILL_GRACE_S + 60)
         finally:
             if watchdog is not None:
                 watchdog.cancel()
         duration = time.monotonic() - start
-        timed_out = timeout is not None and code in (124, 137) and duration >= timeout
+        if res.timed_out:  # the client was killed; the container's side goes here
+            self.kill_tagged(token)
+            return ExecResult(137, res.stdout.decode(errors="replace"), True, duration)
+        timed_out = timeout is not None and res.returncode in (124, 137) and duration >= timeout
         if timed_out:
             self.kill_tagged(token)  # what escaped the process group (setsid, daemons) goes too
-        return ExecResult(code, (out + err).decode(errors="replace"), timed_out, duration)
+        return ExecResult(res.returncode, _text(res), timed_out, duration)
 
     def kill_tagged(self, token: str) -> None:
         """SIGKILL every process in the container whose environment holds ``LEGORL_EXEC=token``."""
         script = (f'for p in /proc/[0-9]*; do grep -qxz "{_TOKEN}={token}" "$p/environ" 2>/dev/null '
                   '&& kill -KILL "${p#/proc/}" 2>/dev/null; done; true')
-        with contextlib.suppress(SandboxError, subprocess.TimeoutExpired):
+        with contextlib.suppress(SandboxError):
             self._run(["sh", "-c", script], timeout=60)
 
     # -- files
@@ -272,14 +325,19 @@ class PodmanSandbox:
         except (APIError, OSError):
             return False
 
-    def get_file(self, path: str) -> bytes:
-        """Read a file from the container; FileNotFoundError if it is not there."""
-        code, out, err = self._run(["cat", "--", path], timeout=300)
-        if code != 0:
-            if b"No such file" in err:
+    def get_file(self, path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+        """Read a file from the container; FileNotFoundError if it is not there, SandboxError if it
+        holds more than ``max_bytes``."""
+        res = self._run(["cat", "--", path], timeout=300, stdout=Cap(max_bytes + 1, 0))
+        if res.timed_out:
+            raise SandboxError(f"{self.name}: reading {path} took over 300 s")
+        if res.returncode != 0:
+            if b"No such file" in res.stderr:
                 raise FileNotFoundError(f"{self.name}:{path}")
-            raise SandboxError(f"{self.name}: cannot read {path}: {err.decode(errors='replace').strip()[-200:]}")
-        return out
+            raise SandboxError(f"{self.name}: cannot read {path}: {res.stderr.decode(errors='replace').strip()[-200:]}")
+        if len(res.stdout) > max_bytes:
+            raise SandboxError(f"{self.name}: {path} holds more than {max_bytes} bytes")
+        return res.stdout
 
     def put_dir(self, host_dir: str, path: str) -> None:
         """Copy the contents of ``host_dir`` into ``path`` (created if missing)."""
@@ -304,28 +362,42 @@ class PodmanSandbox:
         """``git diff --binary`` from ``base`` to the working tree, untracked files included.
 
         The files are staged into a throwaway copy of the index, so the agent's own index, stash
-        and commits are left as they were; ignored files (``.gitignore``) are left out.
+        and commits are left as they were; ignored files (``.gitignore``) are left out. The
+        commands the agent's git config names (fsmonitor, hooks, filter drivers, textconv,
+        external diff) do not run; a ``git`` of the agent's own still could, so the output kept
+        and the time taken are bounded too.
         """
         base = base or self.testbed_commit or "$(git rev-list --max-parents=0 HEAD | tail -n 1)"
         script = (
-            'set -e; idx=$(mktemp); trap \'rm -f "$idx" "$idx.diff"\' EXIT; '
-            'cp "$(git rev-parse --git-dir)/index" "$idx" 2>/dev/null || rm -f "$idx"; '
+            'set -e; idx=$(mktemp); trap \'rm -f "$idx" "$idx.diff" "$idx.cfg"\' EXIT; '
+            # every filter driver the agent's config names is emptied (an empty command filters
+            # nothing) and made optional, through the environment's config (it overrides the repo's)
+            "git config --name-only --get-regexp '^filter[.]' > \"$idx.cfg\" || true; n=$GIT_CONFIG_COUNT; "
+            'while IFS= read -r key; do case "$key" in *.required) val=false;; *.clean|*.smudge|*.process) val=;; '
+            '*) continue;; esac; export "GIT_CONFIG_KEY_$n=$key" "GIT_CONFIG_VALUE_$n=$val"; n=$((n + 1)); '
+            'done < "$idx.cfg"; export GIT_CONFIG_COUNT=$n; '
+            'cp -p "$(git rev-parse --git-dir)/index" "$idx" 2>/dev/null || rm -f "$idx"; '
             'export GIT_INDEX_FILE="$idx"; '
             "git add -A . >/dev/null; "
-            f'git -c core.quotepath=off diff --cached --binary --no-color --no-ext-diff {base} -- > "$idx.diff"; '
+            "git -c core.quotepath=off diff --cached --binary --no-color --no-ext-diff --no-textconv "
+            f'{base} -- > "$idx.diff"; '
             f'head -c {MAX_PATCH_BYTES + 1} "$idx.diff"'
         )
         # the agent's repository config may name commands git would run (fsmonitor, hooks): not here
         safe = {"GIT_CONFIG_COUNT": "3", "GIT_CONFIG_KEY_0": "safe.directory", "GIT_CONFIG_VALUE_0": "*",
                 "GIT_CONFIG_KEY_1": "core.fsmonitor", "GIT_CONFIG_VALUE_1": "false",
                 "GIT_CONFIG_KEY_2": "core.hooksPath", "GIT_CONFIG_VALUE_2": "/dev/null"}
-        code, out, err = self._run(["sh", "-c", script], workdir=path, env=safe, timeout=PATCH_TIMEOUT_S)
-        if len(out) > MAX_PATCH_BYTES:
+        res = self._run(["sh", "-c", script], workdir=path, env=safe, timeout=PATCH_TIMEOUT_S,
+                        stdout=Cap(MAX_PATCH_BYTES + 1, 0))
+        if res.timed_out:
+            raise SandboxError(f"{self.name}: git diff in {path} did not finish within {PATCH_TIMEOUT_S:g} s")
+        if len(res.stdout) > MAX_PATCH_BYTES:
             raise SandboxError(f"{self.name}: the patch is over {MAX_PATCH_BYTES} bytes")
-        if code != 0:
-            raise SandboxError(f"{self.name}: git diff in {path} failed: {err.decode(errors='replace').strip()[-300:]}")
+        if res.returncode != 0:
+            raise SandboxError(f"{self.name}: git diff in {path} failed: "
+                               f"{res.stderr.decode(errors='replace').strip()[-300:]}")
         # --binary diffs are ASCII; text in another encoding than UTF-8 is the rare lossy case
-        return out.decode(errors="replace")
+        return res.stdout.decode(errors="replace")
 
     # -- lifetime
 

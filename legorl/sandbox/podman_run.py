@@ -9,12 +9,14 @@ import hashlib
 import json
 import os
 import re
+import resource
 import uuid
 from pathlib import Path
 
 from legorl.paths import cache_dir
 from legorl.sandbox.base import SandboxSpec
 from legorl.sandbox.errors import SandboxError
+from legorl.sandbox.host import hard_limit, nproc_limit
 from legorl.sandbox.reaper import owner_labels
 
 
@@ -73,7 +75,11 @@ def run_args(spec: SandboxSpec, name: str, command: list[str] | None = None, *, 
         raise SandboxError("sandboxes have no network: a trial reaches its proxy through its session's "
                            "unix socket (legorl.harnesses.channel)")
     args += ["--network", "none"]
+    nofile, nproc = hard_limit(resource.RLIMIT_NOFILE, spec.nofile), nproc_limit()
+    # one --ulimit replaces all of containers.conf's default_ulimits, so nproc is named again
     args += ["--memory", spec.memory, "--memory-swap", spec.memory, "--pids-limit", str(spec.pids_limit),
+             "--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}",
+             f"--log-driver={spec.log_driver}",
              # no device nodes and no file capabilities, even inside: nothing needs them, and what the
              # container writes into a host folder must never become a way to root on the host
              "--cap-drop", "MKNOD", "--cap-drop", "SETFCAP"]
@@ -87,7 +93,9 @@ def run_args(spec: SandboxSpec, name: str, command: list[str] | None = None, *, 
     if spec.read_only:
         args.append("--read-only")
     for ctr, options in spec.tmpfs:
-        args += ["--tmpfs", f"{ctr}:rw,exec,{options}" if options else f"{ctr}:rw,exec"]
+        if not any(opt.startswith("size=") for opt in options.split(",")):
+            options = f"{options},size={spec.tmpfs_size}" if options else f"size={spec.tmpfs_size}"
+        args += ["--tmpfs", f"{ctr}:rw,exec,{options}"]
     for host, ctr, read_only in spec.mounts:
         if not Path(host).exists():
             raise SandboxError(f"mount source {host} does not exist")
