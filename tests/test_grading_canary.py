@@ -25,13 +25,36 @@ from legorl.grading.sandboxed import canary
 PATH = "tests/test_x.py"
 
 
-def _plan(source: str, nodeid: str, line: int, added: list[int] | None = None, salt: str = "0") -> dict[str, str]:
-    """The writer's mutations of ``source`` for one test, as ``{key: "line: old -> new"}``."""
-    text = textwrap.dedent(source).encode()
+# A test of the file's own that uses every negatable form: a negation into a form no other test uses
+# is never made (test_a_negation_into_a_form_no_other_test_uses_is_not_made).
+EVERY_FORM = """
+
+def test_every_form(self=None):
+    assert a != b
+    assert a == b
+    assert not a
+    assert a is not b
+    assert a is b
+    assert a in b
+    assert a not in b
+    self.assertNotEqual(a, b)
+    self.assertEqual(a, b)
+    self.assertIn(a, b)
+    self.assertNotIn(a, b)
+    self.assertTrue(a)
+    self.assertFalse(a)
+"""
+
+
+def _plan(source: str, nodeid: str, line: int, added: list[int] | None = None, salt: str = "0",
+          others: str = EVERY_FORM, candidates: tuple[str, ...] = ()) -> dict[str, str]:
+    """The writer's mutations of ``source`` (``others`` appended) for one test, as ``{key: "line: old -> new"}``."""
+    text = (textwrap.dedent(source) + others).encode()
     src = text.split(b"\n")
     every = list(range(1, len(src) + 1))
     wanted = canary.targets({f"{PATH}::{nodeid}": {"site": [PATH, line], "salt": salt}})
-    plan = canary.plan_file(text, wanted.get(PATH, {}), "seed", PATH, every if added is None else added)
+    plan = canary.plan_file(text, wanted.get(PATH, {}), "seed", PATH, every if added is None else added,
+                            canary.targets({f"{PATH}::{c}": {} for c in candidates}).get(PATH, {}))
     out = {}
     for key, mutation in plan.items():
         index, start, end, new = mutation.edit
@@ -215,11 +238,25 @@ def test_a_site_outside_the_function_or_in_another_file_mutates_nothing() -> Non
 ])
 def test_an_assertion_with_no_expected_value_is_negated(line: str, negated: str) -> None:
     """Any code that passes an assertion fails its negation; used only where nothing at the site can be changed."""
-    text = f"def test_it():\n    {line}\n".encode()
+    text = f"def test_it():\n    {line}\n{EVERY_FORM}".encode()
     plan = canary.plan_file(text, canary.targets({f"{PATH}::test_it": {"site": [PATH, 2], "salt": "0"}})[PATH],
                             "seed", PATH, [1, 2])
     assert plan["test_it"].negated
-    assert canary.apply_edits(text, [plan["test_it"].edit]).decode() == f"def test_it():\n    {negated}\n"
+    assert canary.apply_edits(text, [plan["test_it"].edit]).decode() == f"def test_it():\n    {negated}\n{EVERY_FORM}"
+
+
+def test_a_negation_into_a_form_no_other_test_uses_is_not_made() -> None:
+    """A red team's forger failed every passing test holding the file's only ``!=`` (the negated canary)
+    and passed every failing one: a negation is made only into a form another test of the file uses —
+    not another candidate's (a run may mutate it too) — else a value is changed, else nothing."""
+    source = "def test_it():\n    assert f(1) == g(2)\n"
+    assert _plan(source, "test_it", 2, others="") == {}
+    genuine = "\n\ndef test_other():\n    assert f(3) != 4\n"
+    assert _plan(source, "test_it", 2, others=genuine) == {"test_it": "2: == -> != (negated)"}
+    assert _plan(source, "test_it", 2, others=genuine, candidates=("test_other",)) == {}
+    # with a value to change instead
+    out = _plan("def test_it():\n    assert f(1) == 2\n", "test_it", 2, others="")
+    assert out["test_it"].startswith("2: 2 -> ") and "negated" not in out["test_it"], out
 
 
 def test_an_assertion_is_negated_rather_than_given_another_value() -> None:
@@ -254,7 +291,8 @@ def test_the_writer_script_rewrites_files_in_place(tmp_path: Path, mutate: bool)
     """The container's entry point: same inode in both runs, the content changed only in a canary run."""
     test = tmp_path / "tests" / "test_x.py"
     test.parent.mkdir()
-    test.write_text("def test_a():\n    assert f() == 1\n")
+    original = "def test_a():\n    assert f() == 1\n\n\ndef test_b():\n    assert f() != 2\n"
+    test.write_text(original)
     inode = test.stat().st_ino
     spec = {"tree": str(tmp_path), "files": ["tests/test_x.py"], "seed": "s", "mutate": mutate,
             "tests": {"tests/test_x.py::test_a": {"site": ["tests/test_x.py", 2], "salt": "0"}},
@@ -263,7 +301,7 @@ def test_the_writer_script_rewrites_files_in_place(tmp_path: Path, mutate: bool)
     out = subprocess.run([sys.executable, "-I", canary.__file__, str(tmp_path / "spec.json")],
                          capture_output=True, text=True, check=True).stdout
     assert test.stat().st_ino == inode
-    changed = test.read_text() != "def test_a():\n    assert f() == 1\n"
+    changed = test.read_text() != original
     assert changed is mutate
     assert json.loads(out) == {"mutated": {"test_a": "tests/test_x.py:2"} if mutate else {},
                                "negated": ["test_a"] if mutate else []}

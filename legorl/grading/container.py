@@ -24,6 +24,7 @@ from legorl.grading.patches import split_patch, touched_paths
 from legorl.grading.script import (
     APPLY_METHODS,
     APPLY_TIMEOUT_S,
+    MAX_REPORT_BYTES,
     bundle,
     grade_files,
     parse_pytest_command,
@@ -82,6 +83,8 @@ class Run:
             return None  # a timeout is judged on its own
         if self.mode == "shell":
             return None if "test session starts" in self.test_output else f"no pytest session (exit {code})"
+        if "report_too_large" in ev:
+            return f"the test report is {ev['report_too_large']} bytes, over {MAX_REPORT_BYTES} (the tests wrote into it)"
         if self.report is None:
             return f"the test runner wrote no report (exit {code})"
         if self.report.get("nonce") != report_nonce:
@@ -216,7 +219,7 @@ class GradingContainers:
         files, nonce, report_nonce = grade_files(patch=patch, test_patch=task.test_patch or "",
                                                  hidden=touched_paths(task.test_patch), command=command,
                                                  timeout=self.options.test_timeout, gold=touched_paths(task.patch),
-                                                 tests=canary_tests,
+                                                 tests=canary_tests, candidates=task.FAIL_TO_PASS,
                                                  canary_seed=canary_seed)
         own_testbed = bool(task.repo_source)
         spec = SandboxSpec(

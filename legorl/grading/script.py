@@ -54,6 +54,10 @@ MAX_JUDGE_OUTPUT = 1_000_000  # bytes of the judge's verdict that reach the host
 TEST_ENV = ("HOME=/tmp/.legorl-home GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=safe.directory GIT_CONFIG_VALUE_0='*' "
             "GIT_CONFIG_GLOBAL=/dev/null")
 MAX_TEST_OUTPUT = 20_000_000  # bytes of test output that reach the host; the rest is cut
+# The runner's report is parsed on the host, and the code under test can write into it: JSON of tiny
+# objects costs ~60x its size in Python objects (50 MB of "{}," took 1.3 GB), so a bigger report is
+# never sent (the run failed, the patch's doing). An honest report of 10,000 tests is ~1 MB.
+MAX_REPORT_BYTES = 8_000_000
 APPLY_METHODS = (
     ("git apply", "git apply -v {f}"),
     ("git apply --reject", "git apply -v --reject {f}"),
@@ -186,7 +190,8 @@ echo '{END_MARKER}'
 ev tests_end "$code"
 if [ "$code" = 124 ] || [ "$code" = 137 ]; then echo '>>>>> Tests Timed Out'; fi
 echo "{EXIT_CODE_MARKER}: $code"
-if [ -s $W/report.json ]; then ev report "$(head -c 50000000 $W/report.json | base64 -w0)"; fi
+R=$(stat -c %s $W/report.json 2>/dev/null || echo 0)
+if [ "$R" -gt {MAX_REPORT_BYTES} ]; then ev report_too_large "$R"; elif [ "$R" -gt 0 ]; then ev report "$(base64 -w0 < $W/report.json)"; fi
 ev done
 """
 
@@ -209,11 +214,12 @@ def bundle(files: dict[str, str]) -> bytes:
 
 def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str, timeout: float,
                 gold: list[str] | None = None, tests: Mapping[str, object] | None = None,
-                canary_seed: str | None = None) -> tuple[dict[str, str], str, str]:
+                canary_seed: str | None = None, candidates: list[str] | None = None) -> tuple[dict[str, str], str, str]:
     """The files of one grade (script, judge, runner, canary writer, patches), and its two nonces.
 
     With ``canary_seed`` the run is a canary run: the ``tests`` (test id -> its site and salt) have
-    their expected values mutated (:mod:`.sandboxed.canary`); everything else, what the test user can
+    their expected values mutated (:mod:`.sandboxed.canary`; ``candidates``: every test a run of the
+    task may mutate, whose assertions never count as the file's own); everything else, what the test user can
     see included, is the same as an ordinary run's."""
     nonce, report_nonce = secrets.token_hex(16), secrets.token_hex(16)
     script = grading_script(nonce, report_nonce, has_patch=bool(patch.strip()), has_test_patch=bool(test_patch.strip()),
@@ -224,7 +230,8 @@ def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str,
         "runner.py": _sandboxed("runner.py"),
         "canary.py": _sandboxed("canary.py"),
         "canary.json": json.dumps({"tree": "/testbed", "files": [h for h in hidden if h.endswith(".py")],
-                                   "tests": dict(tests or {}), "added": added_lines(test_patch),
+                                   "tests": dict(tests or {}), "candidates": list(candidates or []),
+                                   "added": added_lines(test_patch),
                                    "seed": canary_seed or "", "mutate": canary_seed is not None}),
         "judge.json": json.dumps({"tree": "/testbed", "pristine": f"{WORK}/pristine", "hidden": hidden,
                                   "changes": f"{WORK}/changes.json", "gold": gold or []}),

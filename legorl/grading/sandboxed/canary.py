@@ -40,7 +40,7 @@ import os
 import random
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Dict, List, NamedTuple, Tuple  # noqa: UP035 - task images may run Python 3.8
 
 EQUAL_METHODS = frozenset({"assertEqual", "assertEquals", "assert_equal", "assertListEqual", "assertTupleEqual",
@@ -381,12 +381,35 @@ def negation(stmt: ast.stmt, src: list[bytes]) -> Edit | None:
     return None
 
 
+_OP_TEXT = {ast.Eq: "==", ast.NotEq: "!=", ast.Is: "is", ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}
+
+
+def assertion_forms(funcs: Iterable[ast.AST]) -> set[str]:
+    """The negatable forms the assertions of ``funcs`` take: an operator (``!=``), ``not``, a unittest
+    method (``assertNotEqual``)."""
+    forms: set[str] = set()
+    for node in (n for f in funcs for n in ast.walk(f)):
+        if isinstance(node, ast.Assert):
+            test = node.test
+            if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+                forms.add("not")
+            elif isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OP_TEXT:
+                forms.add(_OP_TEXT[type(test.ops[0])])
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in NEGATED_METHODS:
+            forms.add(node.func.attr)
+    return forms
+
+
 def plan_file(text: bytes, wanted: dict[str, dict[str, list[Test]]], seed: str, path: str,
-              added: Sequence[int]) -> dict[str, Mutation]:
+              added: Sequence[int], candidates: Iterable[str] = ()) -> dict[str, Mutation]:
     """For each wanted test of this file whose site offers an expected value on an added line, the
     mutation of it (else, the negation of the assertion at the site). Keyed ``name[id]`` for a
     parametrized row's own value, else ``name`` (a mutation in the function's body, which every row
-    and every class that has the function runs)."""
+    and every class that has the function runs).
+
+    A negation is made only into a form that the file's other tests use (not ``candidates``, the
+    functions any run may mutate): a form seen nowhere else — the file's one ``!=`` — would tell
+    forged code which passing test to fail."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -401,6 +424,8 @@ def plan_file(text: bytes, wanted: dict[str, dict[str, list[Test]]], seed: str, 
     funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     helpers = {f.name: (_params(f), expected_params(f)) for f in funcs if f.name not in wanted}
     helpers = {name: h for name, h in helpers.items() if h[1]}
+    skip = {*wanted, *candidates}
+    genuine = assertion_forms(f for f in funcs if f.name not in skip and f.name.startswith("test"))
 
     def edits(sites: list[Site], rng: random.Random) -> list[Edit]:
         out = []
@@ -437,6 +462,8 @@ def plan_file(text: bytes, wanted: dict[str, dict[str, list[Test]]], seed: str, 
                     # an assertion is negated rather than given another value: the buggy code then passes
                     # it, so forged code would have to pick it out among the passing tests and fail it
                     negated = negation(stmt, src) if stmt.lineno in new_lines else None
+                    if negated is not None and (negated[3].strip() or "assert") not in genuine | {"assert"}:
+                        negated = None
                     if negated is not None:
                         plan[func.name] = Mutation(negated, True)
                     elif found:
@@ -462,6 +489,7 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     wanted = targets(spec["tests"])
+    candidates = targets({name: {} for name in spec.get("candidates") or []})
     added: Dict[str, List[int]] = spec.get("added") or {}  # noqa: UP006
     mutated: dict[str, str] = {}
     negated: list[str] = []
@@ -472,7 +500,8 @@ def main() -> None:
         with open(path, "rb") as f:
             text = new = f.read()
         if spec["mutate"]:
-            plan = plan_file(text, wanted.get(rel, {}), spec["seed"], rel, added.get(rel, []))
+            plan = plan_file(text, wanted.get(rel, {}), spec["seed"], rel, added.get(rel, []),
+                             candidates.get(rel, {}))
             new = apply_edits(text, [m.edit for m in plan.values()])
             if new is not text:
                 mutated.update({name: f"{rel}:{m.edit[0] + 1}" for name, m in plan.items()})

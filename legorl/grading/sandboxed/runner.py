@@ -86,6 +86,12 @@ SPOOF_ATTRS = frozenset({"__code__", "__globals__", "__class__"})
 NAME_ATTRS = frozenset({"__module__", "__qualname__", "__name__"})
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"})
 FRAME_WALKERS = ("traceback.py", "inspect.py")  # stdlib helpers that fetch frames for their caller
+# What honest code calls to log or print an exception or a stack: traceback reads the frames, the
+# caller gets text back (a red team's honest fix with ``log.exception`` scored 0 on a frame read).
+TEXT_FROM_FRAMES = frozenset({"format_exc", "print_exc", "format_exception", "print_exception", "format_tb",
+                              "print_tb", "extract_tb", "format_stack", "print_stack", "extract_stack", "print_last"})
+LOGGING_CALLS = frozenset({"exception", "error", "warning", "warn", "info", "debug", "critical", "fatal", "log",
+                           "format", "formatException", "formatStack"})
 WATCHED = (*RUNNER_PACKAGES, "builtins")
 
 
@@ -103,6 +109,12 @@ class Guard:
                       for rel, lines in added.items()}
         self.findings: list[str] = []
         self._getframe, self._isfile = sys._getframe, os.path.isfile
+        import logging
+        import traceback
+
+        # the modules' own files, taken before any code of the tree ran (a traceback.py it writes to
+        # /tmp and imports is not this file)
+        self._traceback, self._logging = traceback.__file__, logging.__file__
         import builtins
 
         self._builtins = builtins
@@ -129,12 +141,15 @@ class Guard:
             elif event == "sys._getframe":  # direct, or through traceback/inspect (logging's own use is not)
                 caller = self._getframe(1)
                 if caller is not None and caller.f_code.co_filename.endswith(FRAME_WALKERS):
-                    self._stack(event, caller)
+                    if not self._only_text(caller):
+                        self._stack(event, caller)
                 else:
                     self._direct(event, caller)
             elif event == "object.__getattr__":
                 if len(args) > 1 and args[1] in FRAME_ATTRS:
-                    self._stack(f"{event} {args[1]}", self._getframe(1))
+                    reader = self._getframe(1)
+                    if not self._only_text(reader):
+                        self._stack(f"{event} {args[1]}", reader)
             elif event in SETATTR_EVENTS:
                 target, name = args[0], str(args[1]) if len(args) > 1 else ""
                 if name in SPOOF_ATTRS:
@@ -147,6 +162,20 @@ class Guard:
                 self._stack(event, self._getframe(1))
         except Exception:  # an audit hook must never raise into the code it watches
             pass
+
+    def _only_text(self, reader: types.FrameType | None) -> bool:
+        """The frame is read by the standard ``traceback`` module for a call from the tree that gets
+        text back: ``traceback.format_exc()`` and its kin, or a ``logging`` call formatting an exception."""
+        if reader is None or reader.f_code.co_filename != self._traceback:
+            return False
+        entry = reader
+        while entry.f_back is not None and not entry.f_back.f_code.co_filename.startswith(self.tree):
+            entry = entry.f_back
+        if entry.f_back is None:
+            return False
+        code = entry.f_code
+        return ((code.co_filename == self._traceback and code.co_name in TEXT_FROM_FRAMES)
+                or (code.co_filename == self._logging and code.co_name in LOGGING_CALLS))
 
     def _direct(self, what: str, frame: types.FrameType | None) -> None:
         if frame is not None and self.patch_code(frame):
