@@ -10,11 +10,14 @@ where nothing of the trial has run yet.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 # About 6x what mini-swe-agent's interpreter maps after importing litellm (~330 MB): room for its
 # threads' stacks and arenas, well under what a few concurrent trials may take of a 24 GB host.
 HOST_MEMORY_BYTES = 2 << 30
 
 
-def under_limits(argv: list[str], memory_bytes: int = HOST_MEMORY_BYTES) -> list[str]:
-    """``argv`` exec'd under the address-space limit."""
-    return ["/bin/sh", "-c", f'ulimit -v {memory_bytes // 1024} && exec "$@"', "sh", *argv]
+def under_limits(argv: list[str], env: Mapping[str, str], memory_bytes: int = HOST_MEMORY_BYTES) -> list[str]:
+    """``argv`` exec'd under the address-space limit, with exactly ``env`` (``sh`` would add ``PWD``)."""
+    keep = "" if "PWD" in env else "unset PWD; "
+    return ["/bin/sh", "-c", f'{keep}ulimit -v {memory_bytes // 1024} && exec "$@"', "sh", *argv]

@@ -123,7 +123,7 @@ def _start(launch: Launch, env: dict[str, str], out: BinaryIO, cwd: Path, timeou
                 return server.spawn(launch.argv, env, cwd, out.fileno())
             except warm.WarmStartError as exc:
                 logger.warning("warm start of %s failed, starting it cold: %s", launch.argv[1], exc)
-    return subprocess.Popen(under_limits(launch.argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+    return subprocess.Popen(under_limits(launch.argv, env), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                             cwd=cwd, start_new_session=True)
 
 

@@ -148,11 +148,12 @@ class ForkServer:
         self._ready = threading.Event()
         self._ended = threading.Event()
         try:
+            env = key.environment(home) | {marker[0]: marker[1]}
             with open(self.folder / "server.log", "ab") as err:
                 self.proc = subprocess.Popen(
-                    under_limits([key.python, str(SERVER), str(self.folder), marker[0], *key.modules]),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=home,
-                    env=key.environment(home) | {marker[0]: marker[1]}, start_new_session=True,
+                    under_limits([key.python, str(SERVER), str(self.folder), marker[0], *key.modules], env),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=home, env=env,
+                    start_new_session=True,
                 )
         except OSError:
             shutil.rmtree(self.folder, ignore_errors=True)
