@@ -315,6 +315,25 @@ def test_complexity_caps_name_the_parameter(sockets: Callable[..., tuple[str, Se
         ProxyLimits(max_connections=0)
 
 
+def test_a_body_of_millions_of_tiny_values_is_refused_before_it_is_parsed(tokenizer: Any) -> None:
+    """Parsed, 16 MB of ``{},`` is ~400 MB of dicts and seconds of the GIL: a 400 naming the limit,
+    answered in well under the time a parse takes, and the session goes on."""
+    limits = ProxyLimits(max_json_items=100_000)
+    with scripted_proxy(tokenizer, limits=limits) as server:
+        sid = server.new_session()
+        bomb = b'{"model":"m","x":[' + b"{}," * 1_000_000 + b'0],"messages":[{"role":"user","content":"hi"}]}'
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            t0 = time.monotonic()
+            answer = client.post(f"/sess/{sid}/v1/chat/completions", content=bomb,
+                                 headers={"content-type": "application/json"})
+            took = time.monotonic() - t0
+            assert answer.status_code == 400 and "max_json_items" in answer.text, answer.text
+            assert took < 1.0, took
+            ok = client.post(f"/sess/{sid}/v1/chat/completions",
+                             json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            assert ok.status_code == 200, ok.text
+
+
 # ----------------------------------------------------------------------------- (d) the stop matcher
 
 VOCAB = ["", "a", "b", "c", " ", "\n", "<", "ab", "bc", "a b", "<t", "t>", "é", "日本", "STOP", "ST", "OP", "\ufffd"]

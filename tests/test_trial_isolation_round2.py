@@ -557,6 +557,55 @@ for _ in range(1536):
     assert max(bystander.rss_mb) - bystander.rss_mb[0] < 500, bystander.rss_mb
 
 
+def test_a_parse_flood_neither_stalls_the_proxy_nor_makes_the_trial_infrastructure(
+        proxy: InProcessProxy, agent: type[Agent], base_image: str, tmp_path: Path) -> None:
+    """A red team's flood: a detached child sends, in waves, 16 bodies of 16 MB of ``{},`` (plus a
+    lone surrogate escape, whose repair walks every value) that the proxy parsed on its event loop,
+    ~7 s each: a bystander's call waited 92 s, the stage grew by 6 GB, and closing the session
+    socket timed out behind the queue, which made the trial infrastructure. Now such a body is a 400
+    before it is parsed (max_json_items), bodies are parsed off the loop, and closing never waits."""
+    agent.SCRIPT = r'''
+import threading
+def conn():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.connect(cfg["socket"]); return s
+def drain(s):
+    try:
+        while s.recv(65536):
+            pass
+    except OSError:
+        pass
+    s.close()
+unit = b"{},"
+bomb = b'{"model":"m","y":"\\ud800","x":[' + unit * ((16 << 20) // 3) + b'0],"messages":[],"max_tokens":8}'
+head = ("POST /sess/%s/v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        "content-length: %d\r\n\r\n" % (cfg["session"], len(bomb))).encode()
+def wave():
+    socks = [conn() for _ in range(16)]
+    for x in socks:
+        x.sendall(head + bomb[:-1])
+    for x in socks:
+        x.sendall(bomb[-1:])
+    for x in socks:
+        drain(x)
+if os.fork() == 0:
+    os.setsid()
+    for _ in range(4):
+        try:
+            wave()
+        except Exception:
+            time.sleep(0.5)
+    os._exit(0)
+time.sleep(3)
+save()
+'''
+    run = _run_dir(tmp_path)
+    with Bystander(proxy) as bystander:
+        [row] = _rollout(run, proxy)
+    print(bystander.check())
+    assert not row.infra_failure, row.error
+    assert max(bystander.rss_mb) - bystander.rss_mb[0] < 500, bystander.rss_mb
+
+
 # --------------------------------------------------------------------------- held
 
 

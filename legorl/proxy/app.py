@@ -38,13 +38,22 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from legorl.errors import LegorlError
 from legorl.proxy import anthropic_api, openai_api, responses_api
 from legorl.proxy.budgets import Budgets
-from legorl.proxy.core import CallResult, ChatRequest, ContextOverflow, ProxyCore, Started, TextDelta
-from legorl.proxy.limits import BodyMeter, ProxyLimits, SessionLoad, check_request
+from legorl.proxy.core import (
+    BYTES_PER_TOKEN,
+    CallResult,
+    ChatRequest,
+    ContextOverflow,
+    ProxyCore,
+    Started,
+    TextDelta,
+)
+from legorl.proxy.limits import BodyMeter, ProxyLimits, SessionLoad, check_items, check_request
 from legorl.proxy.sessions import Session
 from legorl.proxy.validate import SURROGATE_ESCAPE, BadRequest, without_lone_surrogates
 
@@ -104,6 +113,9 @@ class ProxyApp:
         self.limits = limits or ProxyLimits()
         self.max_body = self.limits.max_body_bytes
         self.load = SessionLoad(self.limits)  # what each session has in flight
+        # Bodies are parsed off the event loop, two at a time whatever the number of sessions: a
+        # parse holds the GIL and its objects, so more at once buy no speed, only memory.
+        self._parser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="legorl-parse")
 
     def bound_to(self, session_id: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         """The app a socket bound to ``session_id`` serves (see the module docstring)."""
@@ -183,17 +195,18 @@ class ProxyApp:
             session = self._session(session_id or "default", create=create)
             kind = "anthropic" if sub in _ANTHROPIC_ROUTES else "responses" if sub in _RESPONSES_ROUTES else "openai"
             with self.load.call(session.id) as meter:
-                body = _parse_json(await read_body(receive, self.max_body, meter=meter))
-                check_request(body, kind, self.limits)
-                await self._chat(send, session, body, kind)
+                req, opts = await self._parse(await read_body(receive, self.max_body, meter=meter), kind)
+                await self._chat(send, session, req, opts, kind)
             return
         if sub in _COUNT_ROUTES:
             _require(method, "POST")
             with self.load.call(session_id or "default") as meter:
-                body = _parse_json(await read_body(receive, self.max_body, meter=meter))
-                check_request(body, "anthropic", self.limits)
-                req, _ = anthropic_api.parse_request(body, self.core.engine.name)
-                await _json(send, 200, {"input_tokens": await asyncio.to_thread(self._count, req)})  # CPU work
+                req, _ = await self._parse(await read_body(receive, self.max_body, meter=meter), "anthropic")
+                counted = self.core.get(session_id or "default")
+                # one count at a time per session, as its calls go: the renders share one thread pool
+                async with counted.lock if counted is not None else contextlib.nullcontext():
+                    tokens = await asyncio.to_thread(self._count, req)  # CPU work
+                await _json(send, 200, {"input_tokens": tokens})
             return
         if session_id is not None and (sub == "/trajectory" or sub == "/"):
             if sub == "/" and method == "DELETE":
@@ -237,6 +250,9 @@ class ProxyApp:
         return {"object": "list", "data": [entry], "has_more": False, "first_id": name, "last_id": name}
 
     def _count(self, req: ChatRequest) -> int:
+        ctx = self.core.engine.max_context
+        if req.body_bytes > BYTES_PER_TOKEN * ctx:  # it cannot fit: not worth rendering (core.BYTES_PER_TOKEN)
+            raise ContextOverflow(f"the request has {req.body_bytes} bytes; the context holds {ctx} tokens")
         try:
             text = self.core.renderer.render_marked(req.messages, req.tools, add_generation_prompt=True)
         except Exception as exc:
@@ -271,22 +287,33 @@ class ProxyApp:
 
     # ------------------------------------------------------------------ model calls
 
-    async def _chat(self, send: Send, session: Session, body: Any, api: str) -> None:
-        """One model call; ``api`` is the front end that reads the body and shapes the reply:
-        ``openai`` (chat completions), ``responses`` or ``anthropic``."""
-        req: ChatRequest
-        opts: openai_api.OpenAIOptions | responses_api.ResponsesOptions | anthropic_api.AnthropicOptions
+    async def _parse(self, raw: bytes, api: str) -> tuple[ChatRequest, Any]:
+        """A model call's body read by the front end of ``api`` (``openai``: chat completions,
+        ``responses`` or ``anthropic``), off the event loop; the parsed JSON is dropped once read, so a
+        call in flight holds its request, not what else its body carried."""
+        check_items(raw, self.limits)
+        return await asyncio.get_running_loop().run_in_executor(self._parser, self._read_request, raw, api)
+
+    def _read_request(self, raw: bytes, api: str) -> tuple[ChatRequest, Any]:
+        body = _parse_json(raw)
+        check_request(body, api, self.limits)
+        read: tuple[ChatRequest, Any]
         try:
             if api == "openai":
-                req, opts = openai_api.parse_request(body, self.core.engine.name)
+                read = openai_api.parse_request(body, self.core.engine.name)
             elif api == "responses":
-                req, opts = responses_api.parse_request(body, self.core.engine.name)
+                read = responses_api.parse_request(body, self.core.engine.name)
             else:
-                req, opts = anthropic_api.parse_request(body, self.core.engine.name)
+                read = anthropic_api.parse_request(body, self.core.engine.name)
         except BadRequest:
             raise
         except Exception as exc:  # input the validators did not foresee is still bad input
             raise BadRequest(f"invalid request: {type(exc).__name__}: {exc}") from None
+        read[0].body_bytes = len(raw)
+        return read
+
+    async def _chat(self, send: Send, session: Session, req: ChatRequest, opts: Any, api: str) -> None:
+        """One model call; ``api`` is the front end that shapes the reply."""
         try:
             await self._respond(send, session, req, api, opts)
         finally:

@@ -48,6 +48,7 @@ class ChatRequest:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    body_bytes: int = 0  # the request body's size: what rendering it may cost (see BYTES_PER_TOKEN)
 
 
 @dataclass
@@ -115,6 +116,13 @@ def _streamed_routing(rows: list[Any], n: int) -> Any:
     return arr[:n] if arr.shape[0] >= n else None
 
 
+# A request body of more bytes than this per token of the context cannot fit it (JSON-escaped CJK
+# text, ~1 token per 6-byte escape, is the densest honest body), so it is an overflow before it is
+# rendered: rendering and tokenizing cost time on every session's GIL and memory in proportion to
+# the text (a red team's 14 MB prompts to a 1M-token context held other sessions' calls for 40 s).
+BYTES_PER_TOKEN = 32
+
+
 class ContextOverflow(Exception):
     """The prompt does not fit the context and the session's budgets ask for an error reply."""
 
@@ -179,6 +187,11 @@ class ProxyCore:
             call = Call(index=0, api=req.api, stream=req.stream, segment=-1, started_at=started)
             budgets = session.budgets
             stop = budgets.check_before_call(session.turns, session.total_tokens(), session.created_at)
+            ctx = min(self.engine.max_context, budgets.max_context or self.engine.max_context)
+            if stop is None and req.body_bytes > BYTES_PER_TOKEN * ctx:
+                if budgets.context_overflow == "error":
+                    raise ContextOverflow(f"the request has {req.body_bytes} bytes; the context holds {ctx} tokens")
+                stop = B.CONTEXT_OVERFLOW
             if stop is None:
                 try:
                     # rendering and tokenizing a long prompt is CPU work: off the event loop, so one
@@ -187,7 +200,6 @@ class ProxyCore:
                 except Exception as exc:  # the template rejects these messages (or they nest absurdly)
                     raise BadRequest(f"the chat template cannot render these messages: "
                                      f"{type(exc).__name__}: {exc}", "messages") from None
-                ctx = min(self.engine.max_context, budgets.max_context or self.engine.max_context)
                 room = ctx - len(plan.prompt_ids)
                 if room < 1:
                     if budgets.context_overflow == "error":

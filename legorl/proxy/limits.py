@@ -36,9 +36,10 @@ class ProxyLimits:
         "it is closed.")})
     max_inflight_calls: int = field(default=16, metadata={"help": (
         "Requests in flight per session (model calls and token counts); more get a 429.")})
-    max_inflight_body_mb: int = field(default=256, metadata={"help": (
+    max_inflight_body_mb: int = field(default=64, metadata={"help": (
         "MiB of request bodies held by one session's requests in flight; past it a 429.")})
-    max_body_mb: int = field(default=64, metadata={"help": "MiB of one request's body; past it a 413."})
+    # a million-token conversation is ~4 MB of JSON; what the host holds per session is these bodies
+    max_body_mb: int = field(default=32, metadata={"help": "MiB of one request's body; past it a 413."})
     max_stop_strings: int = field(default=64, metadata={"help": "Stop strings of one call."})
     max_stop_chars: int = field(default=16384, metadata={"help": (
         "Characters of all of one call's stop strings together.")})
@@ -47,6 +48,9 @@ class ProxyLimits:
         "Messages (Responses: input items) of one call.")})
     max_content_parts: int = field(default=50000, metadata={"help": (
         "Content parts and tool calls of all of one call's messages together.")})
+    max_json_items: int = field(default=1_000_000, metadata={"help": (
+        "JSON values of one request body, counted before it is parsed as its '{', '[' and ',' bytes "
+        "(strings included: an upper bound); past it a 400.")})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -127,6 +131,16 @@ class BodyMeter:
 
 
 # -------------------------------------------------------------------------- request complexity
+
+
+def check_items(raw: bytes, limits: ProxyLimits) -> None:
+    """A 400 before parsing when ``raw`` may hold more JSON values than ``limits`` allow: parsed, a
+    body of tiny values (``{},{},...``) costs ~25 times its size in Python objects, and the parse holds
+    the GIL (a red team's 16 MB bodies of empty objects held every session's calls for 90 s)."""
+    count = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if count > limits.max_json_items:
+        raise BadRequest(f"the body holds up to {count} JSON values, over the limit of {limits.max_json_items} "
+                         "(max_json_items)")
 
 
 def check_request(body: Any, api: str, limits: ProxyLimits) -> None:
