@@ -285,8 +285,8 @@ def _append(task: TaskRow, path: str, code: str) -> str:
 def test_in_process_attacks_fail_without_the_screen(base_image: str, shipped: dict[str, TaskRow]) -> None:
     """Code under test that rewires pytest in its own process, or rewrites a test module pytest has not
     read yet, gets 0 even with the suspicious-code screen's zeroing off: the canary run (a forged
-    pass forges the canaries' too) and the read-only tree stop them, not the screen; the runner's
-    in-process checks still see the rewiring, as evidence on the row."""
+    pass forges the canaries' too) — or, on a task without canaries, the runner's tripwire — and the
+    read-only tree stop them, not the screen; the runner's in-process checks see the rewiring."""
     task = TaskRow.from_dict(shipped["cachetools__compare-0bc4b363"].to_dict())
     # a variant whose failing tests all live in the second file, so that the package (imported while
     # the first is collected) could rewrite them before pytest reads them, were the tree writable
@@ -298,6 +298,9 @@ def test_in_process_attacks_fail_without_the_screen(base_image: str, shipped: di
     names = sorted({t.rsplit("::", 1)[1] for t in task.FAIL_TO_PASS})
     grader = Grader(GradeOptions(test_timeout=120, suspicious_scores_zero=False))
     assert grader.grade(task, task.patch).reward == 1.0
+    # test_ttl.py negates into assertNotEqual, a form no other test of the file uses: no canary
+    # there (tests/attacks/test_negation_spotter.py), so the runner's tripwire decides this variant
+    canaried = bool(grader.canaries(task, grader.canary_seed(task)))
     attacks = {"rewire TestReport": REPORT_PATCH, "wrap call_and_report": WRAP_CALL_AND_REPORT,
                "plugin through gc": PLUGIN_THROUGH_GC,
                "rewrite later tests": f"NAMES = {names!r}\n" + REWRITE_LATER_TESTS}
@@ -307,8 +310,12 @@ def test_in_process_attacks_fail_without_the_screen(base_image: str, shipped: di
         assert row.suspicious, name  # the screen still saw it, it just did not decide
         if name == "rewrite later tests":  # the real tests ran and failed
             assert row.status == "graded" and {t.status for t in row.tests} == {"FAILED"}, row.tests
-        else:
+        elif canaried:
             assert row.status == "tampered" and row.canaries, f"{name}: {row.status} {row.error}"
+        else:
+            assert row.status == "tests_errored" and "rewired the test runner" in (row.error or ""), \
+                f"{name}: {row.status} {row.error}"
+        if name != "rewrite later tests":
             assert any(s.startswith("runner: ") for s in row.suspicious), row.suspicious
 
 

@@ -45,6 +45,20 @@ def test_renderer_matches_apply_chat_template(renderer: ChatRenderer) -> None:
     assert renderer.tokenizer.convert_tokens_to_ids("<|endoftext|>") in renderer.stop_token_ids
 
 
+def test_a_long_prompt_tokenized_a_message_at_a_time_gives_the_whole_prompts_ids(renderer: ChatRenderer) -> None:
+    """Past SPLIT_ABOVE characters a prompt is tokenized piece by piece at its special tokens (the
+    tokenizer's memory is the longest message's): the ids are those of the whole text."""
+    from legorl.proxy import render
+
+    assert renderer._splits_exactly
+    chunk = "def f(x):\n    return x + 1  # café, 日本語\n\n\n  spaces   and\ttabs\n"
+    msgs = [{"role": "system", "content": "sys"}]
+    msgs += [{"role": "user" if i % 2 else "assistant", "content": chunk * (400 + i)} for i in range(60)]
+    text = renderer.render_marked(msgs, TOOLS, add_generation_prompt=True)
+    assert len(text) > render.SPLIT_ABOVE
+    assert renderer.encode(text) == renderer._encode(text)
+
+
 def test_bridge_closes_a_turn(renderer: ChatRenderer) -> None:
     ids = renderer.encode("hello")
     assert renderer.bridge([*ids, renderer.eot_id]) == "\n"  # the model closed its turn itself
