@@ -153,17 +153,23 @@ print(json.dumps({{"growth": growth, "code": res.exit_code, "len": len(res.outpu
     assert float(result["growth"]) < BUDGET_MB, result  # type: ignore[arg-type]
 
 
+def _box_with_repo(image: str, run_label: str, content: str) -> str:
+    """Code that opens a container whose /testbed is a one-commit repository holding ``a.py``."""
+    return f'''
+from legorl.sandbox import PodmanBackend, SandboxSpec
+with PodmanBackend().create(SandboxSpec(image={image!r}, labels={{"run": {run_label!r}}})) as box:
+    setup = box.exec(["sh", "-c", "git init -q . && echo '{content}' > a.py && git add -A && git commit -qm base "
+                      "&& git rev-parse HEAD"])
+    assert setup.exit_code == 0, setup.output
+    box.testbed_commit = setup.output.split()[-1]
+'''
+
+
 @pytest.mark.podman
 def test_a_clean_filter_does_not_run_when_the_patch_is_taken(base_image: str, run_label: str) -> None:
     """The agent's clean filter would flood stderr and forge the staged content: it does not run (and
     the agent's edit is in the patch even when made in the same second as the last index write)."""
-    result = _measured(f'''
-from legorl.sandbox import PodmanBackend, SandboxSpec
-with PodmanBackend().create(SandboxSpec(image={base_image!r}, labels={{"run": {run_label!r}}})) as box:
-    setup = box.exec(["sh", "-c", "git init -q . && echo 'REAL = 1' > a.py && git add -A && git commit -qm base "
-                      "&& git rev-parse HEAD"])
-    assert setup.exit_code == 0, setup.output
-    box.testbed_commit = setup.output.split()[-1]
+    result = _measured(_box_with_repo(base_image, run_label, "REAL = 1") + f'''
     agent = ("echo 'REAL = 2' > a.py && echo '*.py filter=flood' > .gitattributes && "
              "git config filter.flood.required true && git config filter.flood.clean "
              "\\"sh -c 'touch /tmp/filter-ran; head -c {FLOOD} /dev/zero >&2; sed s/REAL/FORGED/'\\"")
@@ -185,13 +191,7 @@ def test_a_git_of_the_agents_flooding_stderr_leaves_the_patch_bounded(base_image
     """The agent puts its own ``git`` first on PATH (no config override reaches that): it floods
     stderr during ``git add``; the patch is still taken and the host stays within its budget."""
     wrapper = f'#!/bin/sh\nif [ "$1" = add ]; then head -c {FLOOD} /dev/zero >&2; fi\nexec /usr/bin/git "$@"\n'
-    result = _measured(f'''
-from legorl.sandbox import PodmanBackend, SandboxSpec
-with PodmanBackend().create(SandboxSpec(image={base_image!r}, labels={{"run": {run_label!r}}})) as box:
-    setup = box.exec(["sh", "-c", "git init -q . && echo 'x = 1' > a.py && git add -A && git commit -qm base "
-                      "&& git rev-parse HEAD"])
-    assert setup.exit_code == 0, setup.output
-    box.testbed_commit = setup.output.split()[-1]
+    result = _measured(_box_with_repo(base_image, run_label, "x = 1") + f'''
     box.put_file("/usr/local/bin/git", {wrapper.encode()!r}, mode=0o755)
     assert box.exec(["sh", "-c", "echo 'x = 2' > a.py && command -v git"]).output.strip() == "/usr/local/bin/git"
     growth, patch = measure(box.patch)

@@ -1,8 +1,9 @@
+# ruff: noqa: F811 - the fixtures `agent` and `proxy` come from trial_agents and are test arguments here
 """Trial isolation, round 2: a red team's attacks from inside a real trial container.
 
 Same setup as ``tests/test_trial_isolation.py``: the real rollout stage, real podman containers,
 the real proxy (in-process) on a scripted engine, and an adversary standing in for the harness
-inside the container (``Agent`` below runs a Python script there, where an in-container harness
+inside the container (``trial_agents.Agent`` runs a Python script there, where an in-container harness
 runs: same sandbox, mounts, relay, session socket, URLs). Every agent first makes one real model
 call through the relay, so the policy "has spoken" and nothing after it may be infrastructure.
 
@@ -10,9 +11,8 @@ Status after the fixes that followed: R2-1 (no MKNOD/SETFCAP, nodev/nosuid mount
 trial-folder parent, setuid bits swept), R2-2 (``rm -rf``), R2-3 (timed execs never go through the
 API service), R2-4 (the agent's git filters off when the patch is taken) and R2-5 (a 20 MB cap)
 pass; so does R2-7 (the tokenizer's batch call lets go of the GIL, a long prompt is tokenized a
-message at a time, a body is parsed off the event loop); R2-6 is open, marked xfail with the reason. The resources section (issue #25) runs
-floods beside another session: a connection flood on the trial's socket and an output flood on its
-exec's pipe.
+message at a time, a body is parsed off the event loop); R2-6 is open, marked xfail with the reason. The resource
+floods of issue #25 are in tests/test_trial_floods.py.
 
 Each test asserts the SAFE behaviour; each failed against commit 6b9855f (where this file
 landed). R2-2, R2-3 and R2-5 pass with the fixes in the working tree at the time of writing
@@ -87,110 +87,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rollout_support import import_one
+from trial_agents import Agent, agent, agent_out, proxy, rollout, run_dir, trial_dir  # noqa: F401 - fixtures
 
-from legorl import shards
-from legorl.engines.scripted import ScriptedEngine
-from legorl.harnesses import HARNESSES
-from legorl.harnesses.base import CONTAINER_TRIAL_DIR, Launch, TrialPaths, TrialSpec
-from legorl.harnesses.channel import CONTAINER_DIR, PORT, SOCKET_NAME
-from legorl.harnesses.claude_code import ClaudeCode
+from legorl.harnesses.base import Launch, TrialPaths, TrialSpec
 from legorl.proxy.clients import InProcessProxy
 from legorl.sandbox.base import Sandbox
-from legorl.schemas import Kind, TrialRow
-from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman]
-PROBE = Path(__file__).with_name("isolation_probe.py")
-
-# What every agent script starts with: its config, the relay client of tests/isolation_probe.py (put
-# next to it), and one real model call through the relay.
-PRELUDE = r'''
-import http.client, json, os, socket, subprocess, sys, time
-cfg = json.load(open(sys.argv[1]))
-here = os.path.dirname(sys.argv[1])
-out = {}
-sys.dont_write_bytecode = True
-sys.path.insert(0, here)  # python3 -I leaves the script's folder off sys.path
-import isolation_probe
-
-def request(method, path, body=None, timeout=60):
-    return isolation_probe.request(cfg, method, path, body, timeout=timeout)
-
-def call():
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
-    return request("POST", "/sess/%s/v1/chat/completions" % cfg["session"], body)[0]
-
-out["first_call"] = call()
-
-def save():
-    with open(os.path.join(here, "agent.json"), "w") as handle:
-        json.dump(out, handle)
-'''
-
-
-class Agent(ClaudeCode):
-    """An in-container 'harness' that runs ``SCRIPT`` (after ``PRELUDE``) with python3 -I."""
-
-    name = "agent2"
-    needs_install = False
-    SCRIPT = ""
-
-    def mounts(self, trial_dir: Path) -> list[tuple[str, str, bool]]:
-        return [(str(trial_dir.resolve()), CONTAINER_TRIAL_DIR, False)]
-
-    def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
-        session = trial.anthropic_base_url.rstrip("/").rsplit("/", 1)[-1]
-        cfg = {"session": session, "port": PORT, "socket": f"{CONTAINER_DIR}/{SOCKET_NAME}",
-               "openai_base_url": trial.openai_base_url}
-        (paths.host / "agent-config.json").write_text(json.dumps(cfg))
-        shutil.copy(PROBE, paths.host / PROBE.name)
-        (paths.host / "agent.py").write_text(PRELUDE + self.SCRIPT)
-        return Launch(["python3", "-I", paths.at("agent.py"), paths.at("agent-config.json")], self.base_env(paths))
-
-
-@pytest.fixture
-def agent(monkeypatch: pytest.MonkeyPatch) -> type[Agent]:
-    monkeypatch.setitem(HARNESSES, Agent.name, Agent)
-    return Agent
-
-
-@pytest.fixture
-def proxy(tiny_model: Path) -> Iterator[InProcessProxy]:
-    engine = ScriptedEngine(str(tiny_model), lambda call: "hello from the policy", max_context=1 << 20)
-    with InProcessProxy(engine, str(tiny_model)) as handle:
-        yield handle
-
-
-def _run_dir(tmp_path: Path) -> Path:
-    return tmp_path / f"r2-{uuid.uuid4().hex[:8]}"
-
-
-def _rollout(run: Path, proxy: InProcessProxy, **kw: object) -> list[TrialRow]:
-    opts: dict[str, object] = {"timeout_s": 60.0, "max_turns": 4, "retries": 0, "backoff_s": 0.1} | kw
-    if not (run / "tasks").exists():
-        import_one(run, run.parent)
-    rollout_stage(RolloutConfig(run=run, harnesses=[Agent.name], **opts), proxy)  # type: ignore[arg-type]
-    return shards.read_rows(run / "rollouts", Kind.ROLLOUTS)
-
-
-def _trial_dir(run: Path) -> Path:
-    [trial_dir] = (run / "logs" / "rollout").iterdir()
-    return trial_dir
-
-
-def _agent_out(run: Path) -> dict[str, object]:
-    return json.loads((_trial_dir(run) / "agent.json").read_text())
 
 
 def _remove_containers(run: Path) -> None:
@@ -250,13 +160,13 @@ except OSError as exc:
     out["cap"] = repr(exc)
 save()
 '''
-    run = _run_dir(tmp_path)
+    run = run_dir(tmp_path)
     try:
-        [row] = _rollout(run, proxy)
-        trial_dir = _trial_dir(run)
-        assert _agent_out(run)["first_call"] == 200 and not row.infra_failure
+        [row] = rollout(run, proxy)
+        folder = trial_dir(run)
+        assert agent_out(run)["first_call"] == 200 and not row.infra_failure
         planted = []
-        for root, dirs, files in os.walk(trial_dir):
+        for root, dirs, files in os.walk(folder):
             for name in dirs + files:
                 st = os.lstat(os.path.join(root, name))
                 if stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode) or st.st_mode & (stat.S_ISUID | stat.S_ISGID):
@@ -287,10 +197,10 @@ out["deep"] = True
 os.chdir(here)
 save()
 '''
-    run = _run_dir(tmp_path)
+    run = run_dir(tmp_path)
     try:
         try:
-            rows = _rollout(run, proxy)
+            rows = rollout(run, proxy)
         except RecursionError as exc:
             pytest.fail(f"the rollout stage crashed: {type(exc).__name__}: {exc}")
         [row] = rows
@@ -324,12 +234,12 @@ with open("/usr/local/bin/git", "w") as handle:
 os.chmod("/usr/local/bin/git", 0o755)
 save()
 '''
-    run = _run_dir(tmp_path)
+    run = run_dir(tmp_path)
     result: dict[str, object] = {}
 
     def go() -> None:
         try:
-            result["rows"] = _rollout(run, proxy)
+            result["rows"] = rollout(run, proxy)
         except BaseException as exc:  # reported below
             result["error"] = exc
 
@@ -353,8 +263,8 @@ save()
 def test_the_patch_is_what_the_tree_holds(proxy: InProcessProxy, agent: type[Agent], base_image: str,
                                           tmp_path: Path) -> None:
     agent.SCRIPT = _clean_filter("forge", "sed s/REAL_CHANGE/FORGED_CHANGE/", "agent_note.py", "REAL_CHANGE = 1")
-    run = _run_dir(tmp_path)
-    [row] = _rollout(run, proxy)
+    run = run_dir(tmp_path)
+    [row] = rollout(run, proxy)
     assert row.patch and "agent_note.py" in row.patch, row.error
     # SAFE: the recorded patch holds what the agent's tree holds, not what its git config says
     assert "FORGED_CHANGE" not in row.patch and "REAL_CHANGE" in row.patch, row.patch[-400:]
@@ -371,8 +281,8 @@ with open("/testbed/blob.bin", "wb") as handle:
         handle.write(os.urandom(1 << 20))
 save()
 '''
-    run = _run_dir(tmp_path)
-    [row] = _rollout(run, proxy)
+    run = run_dir(tmp_path)
+    [row] = rollout(run, proxy)
     assert not row.infra_failure, row.error
     size = len(row.patch or "")
     # SAFE: no agent-sized blob in the host's memory or the row (the trial files are capped at 16 MB)
@@ -391,10 +301,10 @@ for path in ("/legorl", "/testbed", "/tmp"):
     out[path] = st.f_bavail * st.f_frsize
 save()
 '''
-    run = _run_dir(tmp_path)
-    [row] = _rollout(run, proxy)
+    run = run_dir(tmp_path)
+    [row] = rollout(run, proxy)
     assert not row.infra_failure, row.error
-    seen = _agent_out(run)
+    seen = agent_out(run)
     host = os.statvfs(run)
     host_free = host.f_bavail * host.f_frsize
     near = {p: v for p, v in seen.items() if p.startswith("/") and abs(int(v) - host_free) < 2 << 30}  # type: ignore[arg-type]
@@ -425,7 +335,7 @@ save()
 '''
     server = proxy.server
     bystander = server.new_session()  # another trial's session on the same proxy
-    run = _run_dir(tmp_path)
+    run = run_dir(tmp_path)
     latencies: list[float] = []
     done = threading.Event()
 
@@ -441,170 +351,14 @@ save()
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
-        [row] = _rollout(run, proxy, timeout_s=120.0)
+        [row] = rollout(run, proxy, timeout_s=120.0)
     finally:
         done.set()
         poller.join(120)
-    assert _agent_out(run).get("counts") == [200, 200, 200] and not row.infra_failure, row.error
+    assert agent_out(run).get("counts") == [200, 200, 200] and not row.infra_failure, row.error
     # SAFE: another session's call never waits seconds on what one trial sends
     print(f"{len(latencies)} bystander calls, max {max(latencies) * 1000:.0f} ms")
     assert max(latencies) < 3.0, f"a bystander's call waited {max(latencies):.1f} s ({len(latencies)} calls)"
-
-
-# --------------------------------------------------------------------------- resources (issue #25)
-
-
-class Bystander:
-    """Another trial's session on the same proxy, called every 0.2 s while an attack runs, with this
-    process's (the rollout stage's) open descriptors and resident memory sampled beside it."""
-
-    def __init__(self, proxy: InProcessProxy) -> None:
-        self.server = proxy.server
-        self.session = self.server.new_session()
-        self.latencies: list[float] = []
-        self.statuses: list[int] = []
-        self.fds: list[int] = []
-        self.rss_mb: list[float] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def __enter__(self) -> Bystander:
-        self.fds.append(len(os.listdir("/proc/self/fd")))
-        self.rss_mb.append(_rss_mb())
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(120)
-
-    def _poll(self) -> None:
-        import httpx
-
-        client = httpx.Client(base_url=self.server.base_url, timeout=120)
-        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        while not self._done.is_set():
-            t0 = time.monotonic()
-            self.statuses.append(client.post(f"/sess/{self.session}/v1/chat/completions", json=chat).status_code)
-            self.latencies.append(time.monotonic() - t0)
-            self.fds.append(len(os.listdir("/proc/self/fd")))
-            self.rss_mb.append(_rss_mb())
-            time.sleep(0.2)
-
-    def check(self) -> str:
-        """The bystander's calls all succeeded within a couple of seconds; a summary line."""
-        assert self.statuses and set(self.statuses) == {200}, self.statuses
-        assert max(self.latencies) < 2.0, f"a bystander's call waited {max(self.latencies):.1f} s"
-        return (f"{len(self.latencies)} bystander calls, max {max(self.latencies) * 1000:.0f} ms; fds "
-                f"{self.fds[0]} -> max {max(self.fds)}; RSS {self.rss_mb[0]:.0f} -> max {max(self.rss_mb):.0f} MB")
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def test_a_connection_flood_costs_the_stage_no_descriptors(proxy: InProcessProxy, agent: type[Agent],
-                                                           base_image: str, tmp_path: Path) -> None:
-    """20,000 connections held open on the trial's own session socket (they took every descriptor of
-    the rollout process, and the stage died): the socket accepts a few dozen, the kernel refuses the
-    rest, the bystander's calls go on, and the session serves the trial again once it lets go."""
-    agent.SCRIPT = r'''
-held, refused = [], 0
-for _ in range(20000):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.setblocking(False)
-    try:
-        s.connect(cfg["socket"])
-    except OSError:  # EAGAIN: the socket's backlog is full
-        refused += 1
-        s.close()
-        continue
-    held.append(s)
-out["held"], out["refused"] = len(held), refused
-time.sleep(6)
-for s in held:
-    s.close()
-out["after"] = call()
-save()
-'''
-    run = _run_dir(tmp_path)
-    with Bystander(proxy) as bystander:
-        [row] = _rollout(run, proxy)
-    seen = _agent_out(run)
-    print(seen["held"], "held,", seen["refused"], "refused;", bystander.check())
-    assert not row.infra_failure and seen["after"] == 200, (row.error, seen)
-    assert seen["refused"] > 10000, seen  # the cap, not the container's descriptors, stopped it
-    assert max(bystander.fds) - bystander.fds[0] < 500, bystander.fds
-
-
-def test_an_output_flood_costs_the_stage_a_fixed_memory_budget(proxy: InProcessProxy, agent: type[Agent],
-                                                               base_image: str, tmp_path: Path) -> None:
-    """The in-container harness writes 1.5 GB to its exec's stdout (the pipe the host reads; it grew
-    the rollout process by 4 GB): the host keeps a bounded part, the trial is the agent's."""
-    agent.SCRIPT = r'''
-save()
-chunk = b"x" * (1 << 20)
-for _ in range(1536):
-    os.write(1, chunk)
-'''
-    run = _run_dir(tmp_path)
-    with Bystander(proxy) as bystander:
-        [row] = _rollout(run, proxy, timeout_s=180.0)
-    print(bystander.check())
-    assert not row.infra_failure, row.error
-    assert max(bystander.rss_mb) - bystander.rss_mb[0] < 500, bystander.rss_mb
-
-
-def test_a_parse_flood_neither_stalls_the_proxy_nor_makes_the_trial_infrastructure(
-        proxy: InProcessProxy, agent: type[Agent], base_image: str, tmp_path: Path) -> None:
-    """A red team's flood: a detached child sends, in waves, 16 bodies of 16 MB of ``{},`` (plus a
-    lone surrogate escape, whose repair walks every value) that the proxy parsed on its event loop,
-    ~7 s each: a bystander's call waited 92 s, the stage grew by 6 GB, and closing the session
-    socket timed out behind the queue, which made the trial infrastructure. Now such a body is a 400
-    before it is parsed (max_json_items), bodies are parsed off the loop, and closing never waits."""
-    agent.SCRIPT = r'''
-import threading
-def conn():
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.connect(cfg["socket"]); return s
-def drain(s):
-    try:
-        while s.recv(65536):
-            pass
-    except OSError:
-        pass
-    s.close()
-unit = b"{},"
-bomb = b'{"model":"m","y":"\\ud800","x":[' + unit * ((16 << 20) // 3) + b'0],"messages":[],"max_tokens":8}'
-head = ("POST /sess/%s/v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-        "content-length: %d\r\n\r\n" % (cfg["session"], len(bomb))).encode()
-def wave():
-    socks = [conn() for _ in range(16)]
-    for x in socks:
-        x.sendall(head + bomb[:-1])
-    for x in socks:
-        x.sendall(bomb[-1:])
-    for x in socks:
-        drain(x)
-if os.fork() == 0:
-    os.setsid()
-    for _ in range(4):
-        try:
-            wave()
-        except Exception:
-            time.sleep(0.5)
-    os._exit(0)
-time.sleep(3)
-save()
-'''
-    run = _run_dir(tmp_path)
-    with Bystander(proxy) as bystander:
-        [row] = _rollout(run, proxy)
-    print(bystander.check())
-    assert not row.infra_failure, row.error
-    assert max(bystander.rss_mb) - bystander.rss_mb[0] < 500, bystander.rss_mb
 
 
 # --------------------------------------------------------------------------- held
@@ -678,11 +432,11 @@ save()
 
     agent.launch = launch  # type: ignore[method-assign]
     try:
-        run = _run_dir(tmp_path)
-        [row] = _rollout(run, proxy)
+        run = run_dir(tmp_path)
+        [row] = rollout(run, proxy)
     finally:
         agent.launch = orig_launch  # type: ignore[method-assign]
-    seen = _agent_out(run)
+    seen = agent_out(run)
     raw: dict[str, list[int]] = seen["raw"]  # type: ignore[assignment]
     assert proxy.server.capture(other).calls == [] and set(proxy.server.core.sessions) == {other}
     for name, statuses in raw.items():

@@ -45,13 +45,13 @@ from legorl.errors import LegorlError
 from legorl.proxy import anthropic_api, openai_api, responses_api
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.core import (
-    BYTES_PER_TOKEN,
     CallResult,
     ChatRequest,
     ContextOverflow,
     ProxyCore,
     Started,
     TextDelta,
+    cannot_fit,
 )
 from legorl.proxy.limits import BodyMeter, ProxyLimits, SessionLoad, check_items, check_request
 from legorl.proxy.sessions import Session
@@ -251,7 +251,7 @@ class ProxyApp:
 
     def _count(self, req: ChatRequest) -> int:
         ctx = self.core.engine.max_context
-        if req.body_bytes > BYTES_PER_TOKEN * ctx:  # it cannot fit: not worth rendering (core.BYTES_PER_TOKEN)
+        if cannot_fit(req, ctx):  # not worth rendering
             raise ContextOverflow(f"the request has {req.body_bytes} bytes; the context holds {ctx} tokens")
         try:
             text = self.core.renderer.render_marked(req.messages, req.tools, add_generation_prompt=True)

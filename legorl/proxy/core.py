@@ -123,6 +123,11 @@ def _streamed_routing(rows: list[Any], n: int) -> Any:
 BYTES_PER_TOKEN = 32
 
 
+def cannot_fit(req: ChatRequest, ctx: int) -> bool:
+    """``req``'s body is too big for a context of ``ctx`` tokens, before anything renders it."""
+    return req.body_bytes > BYTES_PER_TOKEN * ctx
+
+
 class ContextOverflow(Exception):
     """The prompt does not fit the context and the session's budgets ask for an error reply."""
 
@@ -188,7 +193,7 @@ class ProxyCore:
             budgets = session.budgets
             stop = budgets.check_before_call(session.turns, session.total_tokens(), session.created_at)
             ctx = min(self.engine.max_context, budgets.max_context or self.engine.max_context)
-            if stop is None and req.body_bytes > BYTES_PER_TOKEN * ctx:
+            if stop is None and cannot_fit(req, ctx):
                 if budgets.context_overflow == "error":
                     raise ContextOverflow(f"the request has {req.body_bytes} bytes; the context holds {ctx} tokens")
                 stop = B.CONTEXT_OVERFLOW
