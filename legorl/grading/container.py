@@ -30,7 +30,6 @@ from legorl.grading.script import (
     parse_pytest_command,
     read_events,
 )
-from legorl.sandbox import pagecache
 from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
 from legorl.schemas import TaskRow
 
@@ -226,12 +225,10 @@ class GradingContainers:
             image=self.image_for(task), labels={"role": "grade", **self.options.labels},
             network=False, memory=self.options.memory, cpus=self.options.cpus,
             deadline_s=self.options.test_timeout + 2 * INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5),
-            read_only=own_testbed,
+            read_only=own_testbed, cache_isolation=True,  # what one grade's code marks, the next cannot read
             tmpfs=((("/testbed", "size=2g,mode=755"),) if own_testbed else ()) + (("/tmp", "size=2g,mode=1777"),),
         )
         stdin = (self._testbed_tar(task) if own_testbed else b"") + bundle(files)
-        # every page of the image cached, whatever the last grade's code loaded or evicted (pagecache.py)
-        pagecache.warm(spec.image)
         timeout = self.options.test_timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
         if deadline_s is not None:
             timeout = min(timeout, deadline_s)

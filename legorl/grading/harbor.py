@@ -253,7 +253,7 @@ def run_grade(grader: Grader, task: TaskRow, patch: str) -> HarborRun:
     limit = timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
     spec = SandboxSpec(image=grader.containers.image_for(task), labels={"role": "grade", **options.labels},
                        network=False, memory=options.memory, cpus=options.cpus, workdir=task.workdir,
-                       deadline_s=limit + INFRA_SLACK_S, tmpfs=(("/tmp", "size=2g,mode=1777"),))
+                       deadline_s=limit + INFRA_SLACK_S, tmpfs=(("/tmp", "size=2g,mode=1777"),), cache_isolation=True)
     argv = ["sh", "-c", _UNPACK]
     # the grader's own way of running one container (podman's run_once, else create + exec)
     run_once = grader.containers._run_once

@@ -33,6 +33,9 @@ class SandboxSpec:
     cpus: float | None = None
     mounts: tuple[tuple[str, str, bool], ...] = ()  # (host path, container path, read_only)
     read_only: bool = False  # the image's filesystem read-only: writes go only to the tmpfs mounts
+    # No kernel cache of the image's files (pages, names looked up) shared with other containers: runs from a
+    # copy in memory where the host allows (legorl.sandbox.memory_rootfs), else the page cache is warmed first
+    cache_isolation: bool = False
     tmpfs: tuple[tuple[str, str], ...] = ()  # (container path, mount options, e.g. "size=1g,mode=1777")
     tmpfs_size: str = "1g"  # the size of a tmpfs mount whose options name none (the kernel's default: half the RAM)
     # What the container's PID 1 writes (any process there can open /proc/1/fd/1) would be conmon's

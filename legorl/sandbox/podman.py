@@ -39,7 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-from legorl.sandbox import bounded, live
+from legorl.sandbox import bounded, live, memory_rootfs, pagecache
 from legorl.sandbox.base import MAX_EXEC_OUTPUT, MAX_FILE_BYTES, MAX_PATCH_BYTES, ExecResult, SandboxSpec
 from legorl.sandbox.bounded import Cap
 from legorl.sandbox.errors import SandboxError
@@ -104,6 +104,9 @@ class PodmanBackend:
 
     def create(self, spec: SandboxSpec) -> PodmanSandbox:
         """Start a fresh container for ``spec``; it is removed on exit, SIGTERM, or by the reaper."""
+        if spec.cache_isolation:
+            raise SandboxError("cache_isolation is for run_once (a container that outlives the call would hold "
+                               "its copy of the image open)")
         self._check_image(spec.image)
         live.install_handlers()
         name = container_name(spec.labels)
@@ -135,19 +138,22 @@ class PodmanBackend:
         box = PodmanSandbox(name, spec, None)
         live.register(box)  # a signal before podman's own --rm removes it goes through live.remove_all
         command = ["sh", "-c", 'exec 2>&1; exec "$@"', "sh", *argv]
-        start = time.monotonic()
-        clean = False
-        try:
-            out = bounded.run([podman_path(), *self.run_args(spec, name, command, detach=False)],
-                              input=stdin if stdin is not None else b"", timeout=timeout, env=podman_env(),
-                              stdout=RUN_ONCE_OUTPUT, stderr=STDERR)
-            clean = not out.timed_out and out.returncode != 125  # 125: podman itself failed, maybe half-way through
-        finally:
-            if clean:
-                box._removed = True
-                live.forget(name)
-            else:  # a timeout killed the client only; the container is removed here
-                box.remove()
+        with memory_rootfs.held(spec.image) if spec.cache_isolation else contextlib.nullcontext() as rootfs:
+            if spec.cache_isolation and rootfs is None:  # no copy in memory here: at least every page cached
+                pagecache.warm(spec.image)
+            start = time.monotonic()
+            clean = False
+            try:
+                out = bounded.run([podman_path(), *run_args(spec, name, command, detach=False, rootfs=rootfs)],
+                                  input=stdin if stdin is not None else b"", timeout=timeout, env=podman_env(),
+                                  stdout=RUN_ONCE_OUTPUT, stderr=STDERR)
+                clean = not out.timed_out and out.returncode != 125  # 125: podman itself failed, maybe half-way
+            finally:
+                if clean:
+                    box._removed = True
+                    live.forget(name)
+                else:  # a timeout killed the client only; the container is removed here
+                    box.remove()
         if out.timed_out:
             return ExecResult(137, out.stdout.decode(errors="replace"), True, time.monotonic() - start)
         return ExecResult(out.returncode, _text(out), False, time.monotonic() - start)

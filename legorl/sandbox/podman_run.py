@@ -17,6 +17,7 @@ from legorl.paths import cache_dir
 from legorl.sandbox.base import SandboxSpec
 from legorl.sandbox.errors import SandboxError
 from legorl.sandbox.host import hard_limit, nproc_limit
+from legorl.sandbox.memory_rootfs import RootfsCopy
 from legorl.sandbox.reaper import owner_labels
 
 
@@ -58,12 +59,14 @@ def seccomp_profile() -> Path | None:
     return path
 
 
-def run_args(spec: SandboxSpec, name: str, command: list[str] | None = None, *, detach: bool = True) -> list[str]:
+def run_args(spec: SandboxSpec, name: str, command: list[str] | None = None, *, detach: bool = True,
+             rootfs: RootfsCopy | None = None) -> list[str]:
     """The ``podman run`` arguments for a spec.
 
     ``detach=False`` (with a ``command``) is the one-shot form
     :meth:`~legorl.sandbox.podman.PodmanBackend.run_once` uses: ``--rm -i``, stdin attached, the
-    container removed by podman when its command exits.
+    container removed by podman when its command exits. ``rootfs``: run from this copy of the image's
+    files instead of its layers.
     """
     labels = {**owner_labels(spec.deadline_s), **{_label_key(k): v for k, v in spec.labels.items()}}
     args = ["run", "-d" if detach else "--rm", "--name", name, "--hostname", "sandbox"]
@@ -101,11 +104,13 @@ def run_args(spec: SandboxSpec, name: str, command: list[str] | None = None, *, 
             raise SandboxError(f"mount source {host} does not exist")
         # nodev,nosuid: what the container plants in a host folder is never a device or a setuid file
         args += ["-v", f"{os.path.abspath(host)}:{ctr}:{'ro' if read_only else 'rw'},nodev,nosuid"]
-    for key, value in spec.env.items():
+    image_env = dict(e.partition("=")[::2] for e in rootfs.env) if rootfs is not None else {}  # podman's image default
+    for key, value in {**image_env, **spec.env}.items():
         args += ["-e", f"{key}={value}"]
     command = list(spec.command if command is None else command)
     if spec.workdir:
         # runc does not create a missing -w directory (the container never starts), so the
         # container makes it; execs then default to it.
         command = ["sh", "-c", 'mkdir -p "$0" && exec "$@"', spec.workdir, *command]
-    return [*args, spec.image, *command]
+    image = rootfs.run_args(writable=not spec.read_only) if rootfs is not None else [spec.image]
+    return [*args, *image, *command]

@@ -109,6 +109,10 @@ class Guard:
                       for rel, lines in added.items()}
         self.findings: list[str] = []
         self._getframe, self._isfile = sys._getframe, os.path.isfile
+        import threading
+
+        self._thread_id = threading.get_ident
+        self._inside: set[int] = set()
         import logging
         import traceback
 
@@ -135,6 +139,12 @@ class Guard:
         return frame
 
     def __call__(self, event: str, args: tuple[object, ...]) -> None:
+        # The hook's own frame reads raise events too (sys._getframe, f_code): without this each event
+        # recursed until RecursionError, ~40% of a small task's test time
+        me = self._thread_id()
+        if me in self._inside:
+            return
+        self._inside.add(me)
         try:
             if event in CALL_EVENTS:
                 self._direct(event, self._getframe(1))
@@ -162,6 +172,8 @@ class Guard:
                 self._stack(event, self._getframe(1))
         except Exception:  # an audit hook must never raise into the code it watches
             pass
+        finally:
+            self._inside.discard(me)
 
     def _only_text(self, reader: types.FrameType | None) -> bool:
         """The frame is read by the standard ``traceback`` module for a call from the tree that gets
@@ -272,15 +284,35 @@ def changed_objects(before: dict[tuple[str, ...], object], dirs: tuple[str, ...]
     return out
 
 
-def foreign_plugins(config: object, tree: str) -> list[str]:
-    """Plugins registered from the tree other than its conftest files (which the judge keeps pristine)."""
-    out = []
-    manager = getattr(config, "pluginmanager", None)
-    for plugin in list(manager.get_plugins()) if manager is not None else []:
-        module = plugin if isinstance(plugin, types.ModuleType) else sys.modules.get(type(plugin).__module__)
-        path = str(getattr(module, "__file__", "") or "")
-        if path.startswith(tree + os.sep) and os.path.basename(path) != "conftest.py":
-            out.append(f"plugin {path[len(tree) + 1:]}")
+# The hooks a test's report passes through: a hook implementation from the tree here can rewrite it
+REPORT_HOOKS = ("pytest_runtest_protocol", "pytest_runtest_setup", "pytest_runtest_call", "pytest_runtest_teardown",
+                "pytest_runtest_makereport", "pytest_runtest_logreport", "pytest_report_teststatus")
+
+
+def _code_file(function: object) -> str:
+    """The file of the code a hook implementation runs (a callable object's ``__call__``), never its
+    ``__module__``, which a class body sets to anything (a red team's plugin said it was ``json``)."""
+    code = getattr(function, "__code__", None)
+    if code is None and callable(function):
+        code = getattr(type(function).__call__, "__code__", None)
+    filename = getattr(code, "co_filename", "")
+    return filename if isinstance(filename, str) else ""
+
+
+def foreign_plugins(config: object, tree: str, hooks: tuple[str, ...] | None = None) -> list[str]:
+    """Hook implementations whose code lives in the tree, other than its conftest files (which the judge
+    keeps pristine): registered plugins and implementations added to a hook by any other means. ``hooks``:
+    only these hooks' implementations (all of them by default)."""
+    out: list[str] = []
+    relay = getattr(getattr(config, "pluginmanager", None), "hook", None)
+    if hooks is None:
+        hooks = tuple(n for n in list(vars(relay)) if n.startswith("pytest_")) if relay is not None else ()
+    for name in hooks:
+        impls: Any = getattr(getattr(relay, name, None), "get_hookimpls", list)
+        for impl in list(impls()):
+            path = _code_file(getattr(impl, "function", None))
+            if path.startswith(tree + os.sep) and os.path.basename(path) != "conftest.py" and len(out) < 20:
+                out.append(f"hook {name} from {path[len(tree) + 1:]}")
     return out
 
 
@@ -294,6 +326,7 @@ class Recorder:
         self.collected = 0
         self.tampered: list[str] = []
         self.where: dict[str, list[list[object]]] = {}
+        self.config: object = None
 
     def _check(self, session: object) -> None:
         if not self.tampered:
@@ -302,6 +335,9 @@ class Recorder:
             if type(self.statuses) is not dict:
                 found.append("the recorder's statuses were replaced")
             self.tampered = found[:20]
+
+    def pytest_configure(self, config: object) -> None:
+        self.config = config
 
     def pytest_collection_finish(self, session: object) -> None:
         self._check(session)  # the package under test has been imported by now
@@ -326,8 +362,8 @@ class Recorder:
         self.where[str(getattr(report, "nodeid", ""))] = frames
 
     def pytest_runtest_logreport(self, report: object) -> None:
-        if not self.tampered:
-            self.tampered = self.guard.check()[:20]
+        if not self.tampered:  # a hook added and removed again while the tests run is seen here
+            self.tampered = (self.guard.check() + foreign_plugins(self.config, os.getcwd(), REPORT_HOOKS))[:20]
         status = status_of(report)
         if status is None:
             return
