@@ -17,6 +17,7 @@ from legorl.cli import (
     rollout,
     serve_proxy,
     setup_cmd,
+    shards_cmd,
     tasks,
     train,
     vllm_cmd,
@@ -34,6 +35,7 @@ app = typer.Typer(
 
 for module in (
     setup_cmd, tasks, model, harness, vllm_cmd, serve_proxy, rollout, grade, train, loop, eval_cmd, inspect_cmd, dashboard,
+    shards_cmd,
 ):
     module.register(app)
 

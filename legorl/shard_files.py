@@ -1,9 +1,11 @@
-"""The files of a shard folder: part names, the metadata keys they carry, and the temp files of
-writers that died mid-write (see :mod:`legorl.shards` for the contract)."""
+"""The files of a shard folder: part names, the metadata keys they carry, the journals of
+compactions (:mod:`legorl.shard_compaction`) and the temp files of writers that died mid-write
+(see :mod:`legorl.shards` for the contract)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -19,12 +21,43 @@ META_WRITER = b"legorl.writer"
 META_CREATED = b"legorl.created_at"
 
 
+# A compaction's journal: ``.compact-<merged part>.json`` = {"merged": name, "replaces": [names]}.
+JOURNAL_PREFIX = ".compact-"
+
+
 def part_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The committed part files of a dataset folder, in write order (temp files are ignored)."""
+    """The committed part files of a dataset folder, in write order (temp files are ignored, and so
+    are the parts a compaction has merged while they wait for removal)."""
     folder = Path(path)
-    if not folder.is_dir():
+    try:
+        entries = [e.name for e in os.scandir(folder)]
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(folder.glob(PART_GLOB))
+    parts = {n for n in entries if n.startswith("part-") and n.endswith(".parquet")}
+    journals = [n for n in entries if n.startswith(JOURNAL_PREFIX) and n.endswith(".json")]
+    hidden = merged_away(folder, journals, parts) if journals else set()
+    return [folder / n for n in sorted(parts - hidden)]
+
+
+def merged_away(folder: Path, journals: list[str], parts: set[str]) -> set[str]:
+    """The parts that a committed merged part replaces (its journal says which): a compaction
+    killed between renaming the merged part into place and removing them leaves both, and the
+    merged part holds their rows."""
+    hidden: set[str] = set()
+    for name in journals:
+        entry = read_journal(folder / name)
+        if entry is not None and entry[0] in parts:
+            hidden.update(entry[1])
+    return hidden
+
+
+def read_journal(path: Path) -> tuple[str, list[str]] | None:
+    """(merged part, the parts it replaces) of a compaction journal; None when it is gone or torn."""
+    try:
+        data = json.loads(path.read_text())
+        return str(data["merged"]), [str(n) for n in data["replaces"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def new_part_name() -> str:

@@ -28,27 +28,42 @@ class FileInfo:
     rows: int
 
 
+class Vanished(ShardError):
+    """A part file listed a moment ago is gone: a compaction replaced it (list the folder again)."""
+
+
 def file_info(path: Path) -> FileInfo:
     """Metadata of one part file; raises :class:`ShardError` when it is not a readable Parquet file."""
+    return _file_info(path)[0]
+
+
+def _file_info(path: Path) -> tuple[FileInfo, list[str]]:
+    """The file's metadata and its column names, from one read of its footer."""
     try:
         meta = pq.read_metadata(path)
-        schema = pq.read_schema(path)
+        schema = meta.schema.to_arrow_schema()
+    except FileNotFoundError as exc:
+        raise Vanished(path, "part file vanished (replaced by a compaction)") from exc
     except (OSError, pa.ArrowInvalid, UnicodeDecodeError) as exc:  # a column name that is not UTF-8
         raise ShardError(path, f"not a readable Parquet file ({first_line(exc)})") from exc
     md = schema.metadata or {}
     version = md.get(META_VERSION)
-    return FileInfo(
+    info = FileInfo(
         path=path,
         kind=md[META_KIND].decode(errors="replace") if META_KIND in md else None,
         schema_version=int(version) if version is not None and version.isdigit() else None,
         command=md[META_COMMAND].decode(errors="replace") if META_COMMAND in md else None,
         rows=meta.num_rows,
     )
+    return info, schema.names
 
 
-def read_file(path: Path, kind: Kind, columns: list[str] | None = None) -> pa.Table:
-    """Read and validate one part file of ``kind``."""
-    info = file_info(path)
+def read_file(
+    path: Path, kind: Kind, columns: list[str] | None = None, where: pc.Expression | None = None
+) -> pa.Table:
+    """Read and validate one part file of ``kind``: ``columns`` only (all by default), the rows
+    matching ``where`` only (all by default; row groups whose statistics rule it out are skipped)."""
+    info, names = _file_info(path)
     if info.kind != str(kind):
         found = f"a legorl '{info.kind}' shard" if info.kind else "not a legorl shard (no legorl metadata)"
         raise ShardError(path, f"expected a legorl '{kind}' shard, found {found}")
@@ -58,11 +73,19 @@ def read_file(path: Path, kind: Kind, columns: list[str] | None = None) -> pa.Ta
         raise ShardError(
             path, f"schema version {info.schema_version} is newer than this legorl reads ({SCHEMA_VERSION}); upgrade legorl"
         )
+    present = None if columns is None else [c for c in columns if c in names]
     try:
-        table = pq.read_table(path, columns=None if columns is None else _existing(path, columns))
+        if where is None:
+            table = pq.read_table(path, columns=present)
+        else:
+            table = pq.read_table(path, columns=present, filters=where)
+            if present is not None:
+                table = table.select(present)
         # Parquet readers do not check UTF-8: a flipped byte in a string would otherwise be a
         # UnicodeDecodeError at the first to_pylist().
         table.validate(full=True)
+    except FileNotFoundError as exc:
+        raise Vanished(path, "part file vanished (replaced by a compaction)") from exc
     except (OSError, pa.ArrowInvalid, UnicodeDecodeError) as exc:
         raise ShardError(path, f"corrupt Parquet data ({first_line(exc)})") from exc
     if columns is not None:
@@ -76,11 +99,6 @@ def read_file(path: Path, kind: Kind, columns: list[str] | None = None) -> pa.Ta
     table = conform(path, kind, table)
     check_rows(path, kind, table)
     return table
-
-
-def _existing(path: Path, columns: list[str]) -> list[str]:
-    names = set(pq.read_schema(path).names)
-    return [c for c in columns if c in names]
 
 
 @dataclass
@@ -104,7 +122,7 @@ def _key_array(kind: Kind, table: pa.Table) -> list[Any]:
     return list(zip(*(table.column(n).to_pylist() for n in names), strict=True))
 
 
-def _dedupe(kind: Kind, table: pa.Table) -> tuple[pa.Table, int]:
+def dedupe(kind: Kind, table: pa.Table) -> tuple[pa.Table, int]:
     keys = _key_array(kind, table)
     last: dict[Any, int] = {}
     for i, key in enumerate(keys):
@@ -115,22 +133,44 @@ def _dedupe(kind: Kind, table: pa.Table) -> tuple[pa.Table, int]:
     return table.take(pa.array(keep, pa.int64())), len(keys) - len(keep)
 
 
-def read(path: str | os.PathLike[str], kind: Kind, columns: list[str] | None = None) -> Dataset:
+def read(
+    path: str | os.PathLike[str], kind: Kind, columns: list[str] | None = None, where: pc.Expression | None = None
+) -> Dataset:
     """Read every part file of a dataset folder; later files win on duplicate keys.
 
-    ``columns`` reads only those columns (the key columns are always added). A missing folder is
-    an empty dataset.
+    ``columns`` reads only those columns (the key columns are always added). ``where`` reads only
+    the rows it matches, pushed down to each file (row groups its statistics rule out are never
+    read): it must test only what a key determines (``trial_id``, ``step``, ``task_id``,
+    ``harness``), or a superseded row could match where the row that supersedes it does not. A
+    missing folder is an empty dataset.
     """
-    files = part_files(path)
     if columns is not None:
         columns = list(dict.fromkeys([*KEY_COLUMNS[kind], *columns]))
-    tables = [read_file(f, kind, columns) for f in files]
+    files, tables = _read_listed(path, kind, columns, where)
     schema = SCHEMAS[kind] if columns is None else pa.schema([SCHEMAS[kind].field(c) for c in columns])
     if not tables:
         return Dataset(kind, schema.empty_table(), files, 0)
     table = pa.concat_tables(tables)
-    table, duplicates = _dedupe(kind, table)
+    table, duplicates = dedupe(kind, table)
     return Dataset(kind, table, files, duplicates)
+
+
+def _read_listed(
+    path: str | os.PathLike[str], kind: Kind, columns: list[str] | None, where: pc.Expression | None
+) -> tuple[list[Path], list[pa.Table]]:
+    """The folder's part files and their tables; listed again when a compaction replaces a part
+    between the listing and its read (the merged part holds its rows)."""
+    for attempt in range(_LIST_ATTEMPTS):
+        files = part_files(path)
+        try:
+            return files, [read_file(f, kind, columns, where) for f in files]
+        except Vanished:
+            if attempt == _LIST_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+_LIST_ATTEMPTS = 5
 
 
 def read_rows(path: str | os.PathLike[str], kind: Kind) -> list[Any]:
@@ -144,11 +184,12 @@ def iter_files(path: str | os.PathLike[str], kind: Kind) -> Iterator[tuple[Path,
         yield f, read_file(f, kind)
 
 
-def already_done(path: str | os.PathLike[str], kind: Kind) -> set[Any]:
-    """Keys already written, for resuming. Rows marked as infrastructure failures don't count:
-    a rerun tries them again, and the new row supersedes the old one."""
+def already_done(path: str | os.PathLike[str], kind: Kind, where: pc.Expression | None = None) -> set[Any]:
+    """Keys already written (of the rows ``where`` matches, as in :func:`read`), for resuming. Rows
+    marked as infrastructure failures don't count: a rerun tries them again, and the new row
+    supersedes the old one."""
     extra = ["infra_failure"] if "infra_failure" in SCHEMAS[kind].names else []
-    dataset = read(path, kind, columns=extra)
+    dataset = read(path, kind, columns=extra, where=where)
     table = dataset.table
     if extra:
         table = table.filter(pc.invert(pc.fill_null(table.column("infra_failure"), False)))

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,6 +32,14 @@ from legorl.shard_files import (
     new_part_name,
     sweep_dead_writers,
 )
+
+# A batching writer's defaults: a part file per this many rows, or this many seconds after its first
+# row, whichever comes first (the environment overrides them). A buffered row is a finished trial
+# that a kill would lose, so the wait is short; compaction merges the parts that come out small.
+ROWS_PER_PART = 256
+SECONDS_PER_PART = 2.0
+ROWS_ENV = "LEGORL_SHARD_ROWS"
+SECONDS_ENV = "LEGORL_SHARD_SECONDS"
 
 
 def _current_command() -> str:
@@ -94,6 +104,21 @@ def write_table(
     """Atomically add one part file holding ``table`` to the dataset folder ``path``."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
+    table = prepare(folder, kind, table, command)
+    sweep_dead_writers(folder)
+    final = folder / new_part_name()
+    tmp = write_temp(folder, table, name=final.name)
+    try:
+        os.replace(tmp, final)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _commit_error(folder, exc) from None
+    fsync_dir(folder)
+    return final
+
+
+def prepare(folder: Path, kind: Kind, table: pa.Table, command: str | None = None) -> pa.Table:
+    """``table`` cast to the schema of ``kind``, checked row by row, with legorl's metadata."""
     schema = SCHEMAS[kind]
     if table.schema != schema:
         try:
@@ -108,33 +133,45 @@ def write_table(
         META_WRITER: f"legorl {__version__}".encode(),
         META_CREATED: f"{time.time():.3f}".encode(),
     }
-    table = table.replace_schema_metadata(metadata)
-    sweep_dead_writers(folder)
-    final = folder / new_part_name()
-    tmp = folder / f".{final.name}.{HOST}.tmp"
+    return table.replace_schema_metadata(metadata)
+
+
+def write_temp(folder: Path, table: pa.Table, name: str | None = None, row_group_size: int | None = None) -> Path:
+    """Write ``table`` (:func:`prepare`-d) to a temp file in ``folder`` and fsync it; the caller
+    renames it into place. A temp file named after a part name (a fresh one by default) is swept
+    away should this process die before the rename."""
+    tmp = folder / f".{name or new_part_name()}.{HOST}.tmp"
     try:
         with open(tmp, "wb") as handle:
             # Dictionary encoding and statistics buy nothing on token lists and cost most of the
             # write time; scalar columns keep statistics for predicate pushdown.
             pq.write_table(
-                table, handle, compression="zstd", use_dictionary=False,
+                table, handle, compression="zstd", use_dictionary=False, row_group_size=row_group_size,
                 write_statistics=[f.name for f in table.schema if not pa.types.is_nested(f.type)],
             )
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, final)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):  # a full or failing disk: what was committed before stays whole
-            raise ShardError(folder, f"cannot commit a part file: {exc.strerror or exc}; the files committed "
-                                     "before it are intact (free space, then rerun: the stage resumes)") from None
+        if isinstance(exc, OSError):
+            raise _commit_error(folder, exc) from None
         raise
+    return tmp
+
+
+def _commit_error(folder: Path, exc: OSError) -> ShardError:
+    # a full or failing disk: what was committed before stays whole
+    return ShardError(folder, f"cannot commit a part file: {exc.strerror or exc}; the files committed "
+                              "before it are intact (free space, then rerun: the stage resumes)")
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the renames and removals in ``folder`` durable."""
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return final
 
 
 def write(
@@ -150,34 +187,81 @@ def write(
     return write_table(path, kind, table, command)
 
 
-class ShardWriter:
-    """Buffers rows and commits a part file every ``rows_per_file`` rows (and on close).
+def _env_number(name: str, default: Any, kind: type) -> Any:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise ShardError(f"${name}", f"not a number: {value!r}") from None
 
-    Use it as a context manager; rows still buffered when the process is killed are lost, rows
-    already committed never are.
+
+class ShardWriter:
+    """Buffers rows and commits them as one part file every ``rows_per_file`` rows, ``max_seconds``
+    after the oldest buffered row arrived, and on :meth:`flush` / close, whichever comes first
+    (defaults: :data:`ROWS_PER_PART` and :data:`SECONDS_PER_PART`, or ``$LEGORL_SHARD_ROWS`` and
+    ``$LEGORL_SHARD_SECONDS``).
+
+    Use it as a context manager; rows still buffered when the process is killed are lost (a stage
+    reruns them: ``already_done`` does not see them), rows already committed never are. The timed
+    flush runs on a timer thread; its error (a full disk) is raised by the next ``add`` or close.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], kind: Kind, rows_per_file: int = 1, command: str | None = None
+        self, path: str | os.PathLike[str], kind: Kind, rows_per_file: int | None = None,
+        command: str | None = None, max_seconds: float | None = None,
     ):
         self.path = Path(path)
         self.kind = kind
-        self.rows_per_file = max(1, rows_per_file)
+        rows = rows_per_file if rows_per_file is not None else _env_number(ROWS_ENV, ROWS_PER_PART, int)
+        self.rows_per_file = max(1, rows)
+        # math.inf: no timed flush (rows wait for rows_per_file or flush)
+        self.max_seconds = max_seconds if max_seconds is not None else _env_number(SECONDS_ENV, SECONDS_PER_PART, float)
         self.command = command
         self._buffer: list[_Row | Mapping[str, Any]] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._error: BaseException | None = None
         self.files: list[Path] = []
 
     def add(self, row: _Row | Mapping[str, Any]) -> None:
-        self._buffer.append(row)
-        if len(self._buffer) >= self.rows_per_file:
-            self.flush()
+        with self._lock:
+            self._raise_timer_error()
+            self._buffer.append(row)
+            if len(self._buffer) >= self.rows_per_file:
+                self._flush()
+            elif len(self._buffer) == 1 and math.isfinite(self.max_seconds):
+                self._timer = threading.Timer(self.max_seconds, self._timed_flush)
+                self._timer.daemon = True
+                self._timer.start()
 
     def flush(self) -> None:
+        with self._lock:
+            self._raise_timer_error()
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._buffer:
             rows, self._buffer = self._buffer, []
             written = write(self.path, self.kind, rows, self.command)
             if written is not None:
                 self.files.append(written)
+
+    def _timed_flush(self) -> None:
+        with self._lock:
+            try:
+                self._flush()
+            except BaseException as exc:  # handed to the writer's thread at its next call
+                self._error = exc
+
+    def _raise_timer_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def __enter__(self) -> ShardWriter:
         return self

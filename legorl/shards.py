@@ -9,14 +9,21 @@ The contract:
 - part names sort in write order, and when a key appears twice the row from the later file wins
   (a rerun that supersedes an infrastructure failure, say); :func:`read` reports how many;
 - every file carries its kind, schema version and the command that wrote it in its metadata, and
-  is validated on read with an error naming file, row and field.
+  is validated on read with an error naming file, row and field;
+- writers batch (:class:`ShardWriter`: a part per N rows or T seconds), and :func:`compact` merges
+  runs of small parts into large ones, keeping each key's last row, named so that they sort where
+  the parts they replace were; a reader never sees a row twice or zero times, killed or not;
+- :func:`read` takes ``where``, a filter pushed down to each file's row groups: a lookup by
+  ``trial_id`` or ``step`` reads the row groups that can hold it, not the whole folder.
 
 The work is done by :mod:`legorl.shard_files` (the folder's files), :mod:`legorl.shard_writing`,
-:mod:`legorl.shard_reading` and :mod:`legorl.shard_checks`; this module is their public face.
+:mod:`legorl.shard_reading`, :mod:`legorl.shard_compaction` and :mod:`legorl.shard_checks`; this
+module is their public face (``docs/shards.md`` has the layout and the costs).
 """
 
 from __future__ import annotations
 
+from legorl.shard_compaction import Compacted, compact, compact_run
 from legorl.shard_files import HOST as _HOST
 from legorl.shard_files import (
     META_COMMAND,
@@ -30,6 +37,7 @@ from legorl.shard_files import (
 from legorl.shard_reading import (
     Dataset,
     FileInfo,
+    Vanished,
     already_done,
     file_info,
     iter_files,
@@ -37,7 +45,7 @@ from legorl.shard_reading import (
     read_file,
     read_rows,
 )
-from legorl.shard_writing import ShardWriter, to_table, write, write_table
+from legorl.shard_writing import ROWS_PER_PART, SECONDS_PER_PART, ShardWriter, to_table, write, write_table
 
 __all__ = [
     "META_COMMAND",
@@ -46,11 +54,17 @@ __all__ = [
     "META_VERSION",
     "META_WRITER",
     "PART_GLOB",
+    "ROWS_PER_PART",
+    "SECONDS_PER_PART",
     "_HOST",
+    "Compacted",
     "Dataset",
     "FileInfo",
     "ShardWriter",
+    "Vanished",
     "already_done",
+    "compact",
+    "compact_run",
     "file_info",
     "iter_files",
     "part_files",

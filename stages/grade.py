@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
+
 from legorl import shards
 from legorl.errors import LegorlError
 from legorl.executors import ExecutorOptions, Work
@@ -111,10 +113,12 @@ def prediction_jobs(path: Path, tasks: dict[str, TaskRow]) -> list[Job]:
     return list(jobs.values())
 
 
-def rollout_jobs(rollouts_dir: Path) -> tuple[list[Job], int]:
-    """Trials to grade from rollouts, and how many were infrastructure failures (never graded)."""
+def rollout_jobs(rollouts_dir: Path, step: int | None = None) -> tuple[list[Job], int]:
+    """Trials to grade from rollouts (of ``step`` only, when given), and how many were
+    infrastructure failures (never graded)."""
+    where = None if step is None else pc.field("step") == step
     table = shards.read(rollouts_dir, Kind.ROLLOUTS,
-                        columns=["task_id", "harness", "step", "patch", "infra_failure"]).table
+                        columns=["task_id", "harness", "step", "patch", "infra_failure"], where=where).table
     jobs, infra = [], 0
     for row in table.to_pylist():
         if row["infra_failure"]:
@@ -154,7 +158,7 @@ def grade_stage(
     work = Grading(options)
     start = time.monotonic()
     try:
-        with shards.ShardWriter(out_dir, Kind.GRADES, rows_per_file=1) as writer:
+        with shards.ShardWriter(out_dir, Kind.GRADES) as writer:  # batched: a part per many rows
             executor = placement.make_executor()
             for row in executor.map(work, [(tasks[j.task_id], j) for j in todo], options.concurrency):
                 writer.add(row)  # a full disk: a ShardError naming the folder (shards.write_table)

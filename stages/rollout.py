@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
+
 from legorl import shards
 from legorl.costs import trial_cost
 from legorl.engines.watched import WatchedEngine
@@ -93,7 +95,7 @@ def plan(cfg: RolloutConfig) -> tuple[list[TrialJob], int]:
     tasks = sorted(shards.read_rows(run.tasks, Kind.TASKS), key=lambda t: t.instance_id)
     if cfg.limit is not None:
         tasks = tasks[: cfg.limit]
-    done = shards.already_done(run.rollouts, Kind.ROLLOUTS)
+    done = shards.already_done(run.rollouts, Kind.ROLLOUTS, where=pc.field("step") == cfg.step)
     jobs, skipped = [], 0
     for task in tasks:
         for name in cfg.harnesses:
@@ -138,7 +140,7 @@ def rollout_stage(
     engine = getattr(proxy, "engine", None)
     busy0 = engine.busy_seconds() if isinstance(engine, WatchedEngine) else None
     try:
-        with shards.ShardWriter(RunDir.at(cfg.run).rollouts, Kind.ROLLOUTS, rows_per_file=1) as writer:
+        with shards.ShardWriter(RunDir.at(cfg.run).rollouts, Kind.ROLLOUTS) as writer:
             for row in cfg.make_executor().map(work, jobs, cfg.concurrency):
                 writer.add(row)
                 summary.rows.append(row)

@@ -2,7 +2,7 @@
 
 Exactly what a Makefile loop over ``legorl rollout / grade / train`` does, but with one engine kept
 in memory that loads each new checkpoint instead of restarting. Every step's shards stay in the
-run directory with their ``step``.
+run directory with their ``step``; after each step the loop compacts them (:func:`legorl.shards.compact`).
 
 ``max_staleness`` K = 0 (the default) is synchronous: the trials of step S are sampled by the
 policy trained on steps < S, and training step S uses only them, so the rollout policy is never
@@ -154,6 +154,7 @@ def _synchronous(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
             result = _train(cfg, run, step)
         t3 = time.perf_counter()
         _load(served, result.checkpoint, step)
+        shards.compact_run(run.root)  # the step's small parts merged: readers' cost stays flat
         t4 = time.perf_counter()
         record = OnlineStep(
             step=step, new_trials=len(rolled.rows), new_grades=graded,
@@ -175,9 +176,8 @@ def _load(served: Policy, checkpoint: Path, step: int) -> None:
 
 
 def _grade(cfg: OnlineConfig, run: RunDir, step: int) -> int:
-    jobs, _ = rollout_jobs(run.rollouts)
-    graded = grade_stage(run.tasks, run.grades, [j for j in jobs if j.step == step], cfg.grade,
-                         run_label=run.root.name)
+    jobs, _ = rollout_jobs(run.rollouts, step)
+    graded = grade_stage(run.tasks, run.grades, jobs, cfg.grade, run_label=run.root.name)
     return len(graded.rows)
 
 
@@ -301,6 +301,7 @@ def _overlapped(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
                 ahead.loaded()
             t3 = time.perf_counter()
             _write_staleness(run, step, figures)
+            shards.compact_run(run.root)  # the background stages may write meanwhile: compaction allows it
             record = OnlineStep(
                 step=step, new_trials=rolled.new_trials, new_grades=rolled.new_grades,
                 checkpoint=result.checkpoint, metrics=dict(result.metrics), rollout_s=rolled.rollout_s,
@@ -330,9 +331,9 @@ def _staleness_figures(run: RunDir, step: int, bound: Staleness) -> dict[str, fl
 
 def _step_rows(run: RunDir, step: int) -> list[dict[str, Any]]:
     """Step ``step``'s trials that training takes (not infrastructure failures), with their calls."""
-    table = shards.read(run.rollouts, Kind.ROLLOUTS,
-                        columns=["step", "infra_failure", "segments", "calls"]).table
-    table = table.filter(pc.and_(pc.equal(table.column("step"), step), pc.invert(table.column("infra_failure"))))
+    table = shards.read(run.rollouts, Kind.ROLLOUTS, columns=["step", "infra_failure", "segments", "calls"],
+                        where=pc.field("step") == step).table
+    table = table.filter(pc.invert(table.column("infra_failure")))
     return table.to_pylist()
 
 

@@ -1,10 +1,12 @@
 """Read a run directory's shards into the small summaries every monitor view needs.
 
 Part files never change once renamed into place, so :class:`RunReader` summarises each rollout
-part file once (behaviour, token counts) and keeps the result keyed by the file's name, size and
-mtime; a refresh after new shards land only reads the new files. :meth:`RunReader.fingerprint`
-lists the part files (no reads), which makes "did anything change?" cheap enough to poll.
-Duplicate keys resolve as :func:`legorl.shards.read` does: the later file wins.
+and grade part file once (behaviour, token counts, test counts) and keeps the result keyed by the
+file's name, size and mtime; a refresh after new shards land only reads the new files.
+:meth:`RunReader.fingerprint` lists the part files (no reads), which makes "did anything change?"
+cheap enough to poll. Duplicate keys resolve as :func:`legorl.shards.read` does: the later file
+wins. The snapshot remembers which file holds each trial's rollout and grade, so one trial's full
+rows are read from those files alone, the rows of one step only (pushed down to the row groups).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from legorl.errors import LegorlError
 from legorl.monitor.behaviour import TrialBehaviour, trial_behaviour
 from legorl.paths import RunDir
 from legorl.schemas import GradeRow, Kind, MetricRow, TrialRow
+from legorl.shards import Vanished
 
 # Columns of grades we summarise (the test log can be large and is read only for one trial).
 _GRADE_COLUMNS = [
@@ -71,6 +74,8 @@ class GradeInfo:
     error: str | None
     tests_passed: int
     tests_total: int
+    step: int | None = None
+    file: Path | None = None
 
 
 @dataclass
@@ -161,6 +166,7 @@ class RunReader:
         if not self.run.root.is_dir():
             raise LegorlError(f"{self.run.root}: run directory does not exist")
         self._rollout_cache: dict[tuple[str, int, int], list[TrialInfo]] = {}
+        self._grade_cache: dict[tuple[str, int, int], list[GradeInfo]] = {}
         self._snapshot: Snapshot | None = None
 
     def _eval_report_path(self) -> Path:
@@ -183,21 +189,24 @@ class RunReader:
 
     def snapshot(self) -> Snapshot:
         """The run as it is now; returns the previous snapshot when nothing changed."""
-        fp = self.fingerprint()
-        if self._snapshot is not None and self._snapshot.fingerprint == fp:
-            return self._snapshot
+        for attempt in range(_ATTEMPTS):
+            fp = self.fingerprint()
+            if self._snapshot is not None and self._snapshot.fingerprint == fp:
+                return self._snapshot
+            try:
+                self._snapshot = self._read_snapshot(fp)
+                return self._snapshot
+            except Vanished:  # a compaction replaced a part while we read: list the folders again
+                if attempt == _ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _read_snapshot(self, fp: str) -> Snapshot:
         snap = Snapshot(root=self.run.root, fingerprint=fp)
-        live: set[tuple[str, int, int]] = set()
-        for f in shards.part_files(self.run.rollouts):
-            stamp = _stamp(f)
-            live.add(stamp)
-            if stamp not in self._rollout_cache:
-                self._rollout_cache[stamp] = summarise_rollout_file(f)
-            for info in self._rollout_cache[stamp]:
-                snap.trials[info.trial_id] = info
-        for stale in set(self._rollout_cache) - live:
-            del self._rollout_cache[stale]
-        snap.grades = {g.trial_id: g for g in _read_grades(self.run.grades)}
+        for info in _summaries(self.run.rollouts, self._rollout_cache, summarise_rollout_file):
+            snap.trials[info.trial_id] = info
+        for grade in _summaries(self.run.grades, self._grade_cache, summarise_grade_file):
+            snap.grades[grade.trial_id] = grade
         snap.metrics = shards.read_rows(self.run.metrics, Kind.METRICS)
         tasks = shards.read(self.run.tasks, Kind.TASKS, columns=["repo"]).table
         snap.task_ids = tasks.column("instance_id").to_pylist()
@@ -210,36 +219,108 @@ class RunReader:
                 snap.eval_report = json.loads(report.read_text())
             except (OSError, json.JSONDecodeError) as exc:
                 raise LegorlError(f"{report}: not a readable eval report ({exc})") from exc
-        self._snapshot = snap
         return snap
 
     def trial_row(self, trial_id: str) -> TrialRow:
         """The full rollout row of one trial (read from the file that holds its latest version)."""
-        snap = self.snapshot()
-        info = snap.trials.get(trial_id)
-        if info is None:
-            raise LegorlError(f"{self.run.rollouts}: no trial {trial_id!r}")
-        table = shards.read_file(info.file, Kind.ROLLOUTS)
-        ids = table.column("trial_id").to_pylist()
-        index = max(i for i, t in enumerate(ids) if t == trial_id)
-        return TrialRow.from_dict(table.slice(index, 1).to_pylist()[0])
+        for attempt in range(_ATTEMPTS):
+            snap = self.snapshot()
+            info = snap.trials.get(trial_id)
+            if info is None:
+                raise LegorlError(f"{self.run.rollouts}: no trial {trial_id!r}")
+            try:
+                rows = _rows_in(info.file, Kind.ROLLOUTS, [trial_id], info.step)
+            except Vanished:
+                if attempt == _ATTEMPTS - 1:
+                    raise
+                continue
+            return TrialRow.from_dict(rows[trial_id])
+        raise AssertionError("unreachable")
 
     def grade_row(self, trial_id: str) -> GradeRow | None:
         """The full grade row of one trial, test log included, or None when it is not graded."""
-        dataset = shards.read(self.run.grades, Kind.GRADES)
-        table = dataset.table.filter(pc.equal(dataset.table.column("trial_id"), trial_id))
-        if table.num_rows == 0:
-            return None
-        return GradeRow.from_dict(table.slice(table.num_rows - 1, 1).to_pylist()[0])
+        for attempt in range(_ATTEMPTS):
+            grade = self.snapshot().grades.get(trial_id)
+            if grade is None or grade.file is None:
+                return None
+            try:
+                rows = _rows_in(grade.file, Kind.GRADES, [trial_id], grade.step)
+            except Vanished:
+                if attempt == _ATTEMPTS - 1:
+                    raise
+                continue
+            return GradeRow.from_dict(rows[trial_id])
+        raise AssertionError("unreachable")
+
+    def step_rows(self, step: int) -> tuple[dict[str, TrialRow], dict[str, GradeRow]]:
+        """The full rollout and grade rows of one step's trials, each file that holds them read once
+        (for a bulk export; one trial's rows: :meth:`trial_row`, :meth:`grade_row`)."""
+        for attempt in range(_ATTEMPTS):
+            snap = self.snapshot()
+            ids = [t.trial_id for t in snap.trials.values() if t.step == step]
+            try:
+                trials = _rows_by_file(((snap.trials[i].file, snap.trials[i].step, i) for i in ids), Kind.ROLLOUTS)
+                graded = [snap.grades[i] for i in ids if i in snap.grades]
+                grades = _rows_by_file(((g.file, g.step, g.trial_id) for g in graded if g.file), Kind.GRADES)
+            except Vanished:
+                if attempt == _ATTEMPTS - 1:
+                    raise
+                continue
+            return ({i: TrialRow.from_dict(d) for i, d in trials.items()},
+                    {i: GradeRow.from_dict(d) for i, d in grades.items()})
+        raise AssertionError("unreachable")
 
 
-def _read_grades(path: Path) -> Iterable[GradeInfo]:
-    table = shards.read(path, Kind.GRADES, columns=_GRADE_COLUMNS).table
+_ATTEMPTS = 5  # listings of a run that a compaction may change under a reader
+
+
+def _summaries(folder: Path, cache: dict[tuple[str, int, int], list[Any]], summarise: Any) -> Iterable[Any]:
+    """Each part file's summaries, in part order, from ``cache`` (by name, size, mtime) or read once."""
+    live: set[tuple[str, int, int]] = set()
+    for f in shards.part_files(folder):
+        try:
+            stamp = _stamp(f)
+        except FileNotFoundError as exc:
+            raise Vanished(f, "part file vanished (replaced by a compaction)") from exc
+        live.add(stamp)
+        if stamp not in cache:
+            cache[stamp] = summarise(f)
+        yield from cache[stamp]
+    for stale in set(cache) - live:
+        del cache[stale]
+
+
+def _rows_by_file(wanted: Iterable[tuple[Path, int | None, str]], kind: Kind) -> dict[str, dict[str, Any]]:
+    """The rows of the given (file, step, key)s as dicts by key, each file read once."""
+    by_file: dict[tuple[Path, int | None], list[str]] = {}
+    for path, step, key in wanted:
+        by_file.setdefault((path, step), []).append(key)
+    out: dict[str, dict[str, Any]] = {}
+    for (path, step), keys in by_file.items():
+        out.update(_rows_in(path, kind, keys, step))
+    return out
+
+
+def _rows_in(path: Path, kind: Kind, trial_ids: list[str], step: int | None) -> dict[str, dict[str, Any]]:
+    """The rows of ``trial_ids`` (all at ``step``) in one part file, by id (the file's last row of
+    each), read through the row groups that can hold them."""
+    at_step = pc.field("step").is_null() if step is None else pc.field("step") == step
+    where = at_step & pc.field("trial_id").isin(trial_ids)
+    table = shards.read_file(path, kind, where=where)
+    return {row["trial_id"]: row for row in table.to_pylist()}
+
+
+def summarise_grade_file(path: Path) -> list[GradeInfo]:
+    """Read one grade part file's light columns (not the test log) and summarise each row."""
+    table = shards.read_file(path, Kind.GRADES, columns=["trial_id", *_GRADE_COLUMNS])
+    out = []
     for d in table.to_pylist():
         tests = d.get("tests") or []
-        yield GradeInfo(
+        out.append(GradeInfo(
             trial_id=d["trial_id"], task_id=d["task_id"], status=d["status"],
             infra_failure=bool(d["infra_failure"]), reward=d["reward"], resolved=d["resolved"],
             resolution=d["resolution"], error=d["error"],
             tests_passed=sum(1 for t in tests if t.get("passed")), tests_total=len(tests),
-        )
+            step=d["step"], file=path,
+        ))
+    return out

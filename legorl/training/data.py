@@ -123,21 +123,23 @@ def load_step(
     ``staleness`` (the overlapped loop's bound): a trial with calls more than ``max_staleness``
     policy versions behind ``step`` is left out (``drop_trial``) or trained without loss on its
     stale tokens (``mask``); without it every trial is taken as it is."""
-    # A full read validates every file (segment arrays aligned, enums known) before we use it.
-    table = shards.read(run.rollouts, Kind.ROLLOUTS).table.select(["trial_id", *_ROLLOUT_COLUMNS])
-    if table.num_rows == 0:
+    steps = available_steps(run)
+    if not steps:
         raise LegorlError(f"{run.rollouts}: no rollouts to train on (run `legorl rollout --run {run.root}` first)")
-    steps = sorted({int(s) for s in table.column("step").to_pylist()})
     if step is None:
         step = steps[-1]
     elif step not in steps:
         raise LegorlError(f"{run.rollouts}: no rollouts for step {step} (steps present: {steps})")
-    table = table.filter(pc.equal(table.column("step"), step))
+    # Only the step's rows, pushed down to the row groups (the cost does not grow with the run); a
+    # full read of them validates them (segment arrays aligned, enums known) before we use them.
+    at_step = pc.field("step") == step
+    table = shards.read(run.rollouts, Kind.ROLLOUTS, where=at_step).table.select(["trial_id", *_ROLLOUT_COLUMNS])
 
     grades = {
         g["trial_id"]: g
         for g in shards.read(
-            run.grades, Kind.GRADES, columns=["reward", "resolved", "status", "infra_failure"]
+            run.grades, Kind.GRADES, columns=["reward", "resolved", "status", "infra_failure"],
+            where=at_step | pc.field("step").is_null(),  # grades written without their trial's step
         ).table.to_pylist()
     }
     rows = table.to_pylist()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from legorl import costs
@@ -17,7 +17,7 @@ from legorl.monitor import behaviour, stats
 from legorl.monitor.behaviour import classify_call
 from legorl.monitor.health import FIDELITY_KEYS, health_summary
 from legorl.monitor.loading import RunReader, Snapshot
-from legorl.schemas import Call, Segment
+from legorl.schemas import Call, GradeRow, Segment, TrialRow
 
 MAX_POINTS = 4000  # logprob points per segment sent to the browser (longer segments are binned)
 MAX_LOG_CHARS = 20000
@@ -177,14 +177,29 @@ def _annotated_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def trial_detail(reader: RunReader, trial_id: str) -> dict[str, Any]:
     """One trial for the trajectory viewer: conversation, segments, calls, patch, grade."""
     row = reader.trial_row(trial_id)
+    grade = reader.grade_row(trial_id)
+    return _detail(reader.snapshot(), row, grade)
+
+
+def trial_details(reader: RunReader) -> Iterator[dict[str, Any]]:
+    """Every trial's detail (:func:`trial_detail`), step by step: each file read once per step it
+    holds, never once per trial (the static export)."""
     snap = reader.snapshot()
-    info = snap.trials[trial_id]
+    for step in sorted({t.step for t in snap.trials.values()}):
+        trials, grades = reader.step_rows(step)
+        snap = reader.snapshot()
+        for trial_id, row in trials.items():
+            if trial_id in snap.trials:
+                yield _detail(snap, row, grades.get(trial_id))
+
+
+def _detail(snap: Snapshot, row: TrialRow, grade: GradeRow | None) -> dict[str, Any]:
+    info = snap.trials[row.trial_id]
     segs, calls = _segments_and_calls(row.segments, row.calls)
     try:
         messages = row.conversation()
     except json.JSONDecodeError:
         messages = [{"role": "system", "content": "(messages are not valid JSON)"}]
-    grade = reader.grade_row(trial_id)
     grade_data = None
     if grade is not None:
         grade_data = grade.to_dict()
@@ -196,7 +211,7 @@ def trial_detail(reader: RunReader, trial_id: str) -> dict[str, Any]:
         "step": row.step, "sample_index": row.sample_index, "group_id": row.group_id, "model": row.model,
         "outcome": row.outcome, "infra_failure": row.infra_failure, "error": row.error,
         "exit_code": row.exit_code, "attempts": row.attempts, "timings": row.timings.to_dict(),
-        "category": stats.category(info, snap.grades.get(trial_id)),
+        "category": stats.category(info, snap.grades.get(row.trial_id)),
         "patch": row.patch, "messages": _annotated_messages(messages), "segments": segs, "calls": calls,
         "behaviour": behaviour.behaviour_dict(info.behaviour), "grade": grade_data,
         "cost": costs.cost_of(row).to_dict(), "fingerprint": row.fingerprint.to_dict() if row.fingerprint else None,

@@ -27,8 +27,12 @@ from legorl.monitor.dashboard.server import STATIC, RunSet, index_html, plotly_j
 
 def _script(variable: str, value: Any) -> str:
     """``variable = <value as JSON>;`` with "</" escaped, so the data can never close a script tag."""
-    body = json.dumps(value, separators=(",", ":")).replace("</", "<\\/")
-    return f"{variable} = {body};\n"
+    return _script_of(variable, json.dumps(value, separators=(",", ":")))
+
+
+def _script_of(variable: str, body: str) -> str:
+    escaped = body.replace("</", "<\\/")
+    return f"{variable} = {escaped};\n"
 
 
 def export(roots: list[Path], out: Path) -> dict[str, int]:
@@ -52,14 +56,14 @@ def export(roots: list[Path], out: Path) -> dict[str, int]:
         trials = 0
         for i, ov in enumerate(overviews):
             (tmp / "data" / f"overview-{i}.json").write_text(json.dumps(ov))
-            for row in ov["trials"]:
-                detail = runs.trial(i, row["trial_id"])
-                name = f"{i}-{row['key']}"
+            for detail in runs.trials(i):  # each dataset read once, not once per trial
+                name = f"{i}-{detail['key']}"
                 stem = tmp / "data" / "trials" / name
-                stem.with_suffix(".json").write_text(json.dumps(detail))
+                body = json.dumps(detail, separators=(",", ":"))  # once, for both files
+                stem.with_suffix(".json").write_text(body)
                 stem.with_suffix(".js").write_text(
                     "window.LEGORL_TRIALS = window.LEGORL_TRIALS || {};\n"
-                    + _script(f"window.LEGORL_TRIALS[{json.dumps(name)}]", detail)
+                    + _script_of(f"window.LEGORL_TRIALS[{json.dumps(name)}]", body)
                 )
                 trials += 1
         (tmp / "data.js").write_text(_script("window.LEGORL_STATIC", {"runs": run_list, "overviews": overviews}))

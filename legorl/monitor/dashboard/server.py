@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 from starlette.routing import Route
 
 from legorl.errors import LegorlError
-from legorl.monitor.dashboard.data import overview, trial_detail
+from legorl.monitor.dashboard.data import overview, trial_detail, trial_details
 from legorl.monitor.loading import RunReader
 
 STATIC = Path(__file__).with_name("static")
@@ -87,6 +88,12 @@ class RunSet:
         reader = self._reader(index)
         with self._locks[index]:
             return trial_detail(reader, trial_id)
+
+    def trials(self, index: int) -> Iterator[dict[str, Any]]:
+        """Every trial's detail of run ``index``, reading each dataset once (the static export)."""
+        reader = self._reader(index)
+        with self._locks[index]:
+            yield from trial_details(reader)
 
 
 def create_app(roots: list[Path], poll_ms: int = 2000) -> Starlette:

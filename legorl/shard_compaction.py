@@ -1,0 +1,192 @@
+"""Compaction: merging a dataset folder's runs of small part files into large ones, crash-safely.
+
+A run is a sequence of consecutive parts (in part-name order) small enough to merge. Its merged part
+holds each key's last row among them (what :func:`legorl.shards.read` resolves them to), sorted by
+step and key so that lookups skip row groups, and is named to sort where the run was: after every
+part before it and before every part after it, so "the later file wins" resolves as before.
+
+The steps, each durable before the next (``fsync``):
+
+1. write the merged part to a temp file (swept away if this process dies);
+2. write the journal ``.compact-<merged>.json``, naming the merged part and the parts it replaces;
+3. rename the merged part into place: from here readers (:func:`legorl.shard_files.part_files`)
+   hide the replaced parts, so none sees a row twice or zero times;
+4. remove the replaced parts, then the journal.
+
+Killed anywhere, the next compaction finishes step 4 for a journal whose merged part exists and
+drops a journal whose merged part does not (the replaced parts then still hold the rows). One
+compaction runs per folder at a time (a lock file); writers may add parts meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from legorl.errors import ShardError
+from legorl.paths import RunDir, file_lock
+from legorl.schemas import KEY_COLUMNS, SCHEMAS, Kind
+from legorl.shard_files import JOURNAL_PREFIX, part_files, read_journal, sweep_dead_writers
+from legorl.shard_reading import dedupe, read_file
+from legorl.shard_writing import fsync_dir, prepare, write_temp
+
+# A merged part's bounds (the sum of its inputs' sizes on disk, and rows); a part at a quarter of
+# either is large enough to stay as it is, which bounds how often a row is rewritten.
+TARGET_BYTES = 128 * 2**20
+TARGET_ROWS = 200_000
+# Rows per row group: the unit a lookup reads (rollout rows hold token arrays, grades a test log).
+ROW_GROUP_ROWS = {Kind.ROLLOUTS: 64, Kind.GRADES: 512, Kind.TASKS: 1024, Kind.METRICS: 65536}
+LOCK_NAME = ".compact.lock"
+_MERGED_SUFFIX = re.compile(r"^(?P<base>.*)-c(?P<gen>\d+)$")
+
+
+@dataclass
+class Compacted:
+    """What one folder's compaction did."""
+
+    folder: Path
+    merged: list[Path] = field(default_factory=list)
+    replaced: int = 0  # parts replaced by the merged ones
+    rows: int = 0  # rows in the merged parts
+    dropped: int = 0  # superseded rows (an earlier version of a key) left out of them
+
+
+@dataclass(frozen=True)
+class _Part:
+    path: Path
+    size: int
+    rows: int
+
+
+def merged_name(last: str) -> str:
+    """The merged part's name for a run ending with part ``last``: ``<last stem>-c<generation>``,
+    which sorts just before ``last`` and after every part before it."""
+    stem = last.removesuffix(".parquet")
+    match = _MERGED_SUFFIX.match(stem)
+    base, gen = (match["base"], int(match["gen"])) if match else (stem, 0)
+    return f"{base}-c{gen + 1:04d}.parquet"
+
+
+def plan(parts: list[_Part], target_bytes: int, target_rows: int) -> list[list[_Part]]:
+    """Runs of at least two consecutive small parts, each at most ``target_bytes`` and ``target_rows``."""
+    runs: list[list[_Part]] = []
+    current: list[_Part] = []
+    for part in parts:
+        small = part.size < target_bytes // 4 and part.rows < target_rows // 4
+        full = current and (sum(p.size for p in current) + part.size > target_bytes
+                            or sum(p.rows for p in current) + part.rows > target_rows)
+        if not small or full:
+            runs.append(current)
+            current = []
+        if small:
+            current.append(part)
+    runs.append(current)
+    return [r for r in runs if len(r) >= 2]
+
+
+def compact(
+    folder: str | os.PathLike[str], kind: Kind, *, target_bytes: int = TARGET_BYTES,
+    target_rows: int = TARGET_ROWS, command: str | None = None,
+) -> Compacted:
+    """Merge the runs of small parts of the dataset ``folder`` (of ``kind``) into large ones."""
+    path = Path(folder)
+    done = Compacted(path)
+    if not path.is_dir():
+        return done
+    with file_lock(path / LOCK_NAME):
+        recover(path)
+        sweep_dead_writers(path)
+        parts = [_Part(p, p.stat().st_size, pq.read_metadata(p).num_rows) for p in part_files(path)]
+        for run in plan(parts, target_bytes, target_rows):
+            merged, rows, dropped = _merge(path, kind, [p.path for p in run], command)
+            done.merged.append(merged)
+            done.replaced += len(run)
+            done.rows += rows
+            done.dropped += dropped
+    return done
+
+
+def recover(folder: Path) -> None:
+    """Finish or drop the journals a killed compaction left (see the module's steps)."""
+    for entry in os.scandir(folder):
+        if entry.name.startswith(JOURNAL_PREFIX) and entry.name.endswith(".tmp"):
+            Path(entry.path).unlink(missing_ok=True)
+            continue
+        if not (entry.name.startswith(JOURNAL_PREFIX) and entry.name.endswith(".json")):
+            continue
+        journal = read_journal(Path(entry.path))
+        if journal is not None and (folder / journal[0]).exists():
+            _remove(folder, journal[1])
+        Path(entry.path).unlink(missing_ok=True)
+        fsync_dir(folder)
+
+
+def _merge(folder: Path, kind: Kind, run: list[Path], command: str | None) -> tuple[Path, int, int]:
+    table = pa.concat_tables([read_file(p, kind) for p in run])
+    table, dropped = dedupe(kind, table)
+    table = table.sort_by([(c, "ascending") for c in _sort_columns(kind)])
+    final = folder / merged_name(run[-1].name)
+    tmp = write_temp(folder, prepare(folder, kind, table, command or _command(run[-1])),
+                     row_group_size=ROW_GROUP_ROWS[kind])
+    journal = folder / f"{JOURNAL_PREFIX}{final.name}.json"
+    try:
+        _write_journal(journal, final.name, [p.name for p in run])
+        os.replace(tmp, final)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        journal.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise ShardError(folder, f"cannot commit a merged part: {exc.strerror or exc}; the parts "
+                                     "it would replace are intact") from None
+        raise
+    fsync_dir(folder)
+    _remove(folder, [p.name for p in run])
+    journal.unlink()
+    fsync_dir(folder)
+    return final, table.num_rows, dropped
+
+
+def _sort_columns(kind: Kind) -> list[str]:
+    keys = list(KEY_COLUMNS[kind])
+    return keys if "step" in keys or "step" not in SCHEMAS[kind].names else ["step", *keys]
+
+
+def _command(part: Path) -> str:
+    """The merged part's command: the one that wrote its newest rows (what ``inspect`` lists)."""
+    meta = pq.read_schema(part).metadata or {}
+    return meta.get(b"legorl.command", b"").decode(errors="replace")
+
+
+def _write_journal(journal: Path, merged: str, replaces: list[str]) -> None:
+    tmp = journal.with_name(journal.name + ".tmp")
+    with open(tmp, "w") as handle:
+        json.dump({"merged": merged, "replaces": replaces}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, journal)
+    fsync_dir(journal.parent)
+
+
+def _remove(folder: Path, names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            (folder / name).unlink()
+    fsync_dir(folder)
+
+
+def compact_run(
+    root: str | os.PathLike[str], *, target_bytes: int = TARGET_BYTES, target_rows: int = TARGET_ROWS
+) -> list[Compacted]:
+    """Compact every dataset of a run directory (those ``legorl inspect`` lists)."""
+    from legorl.monitor.inspect import RUN_DATASETS
+
+    run = RunDir.at(root)
+    return [compact(run.root / name, kind, target_bytes=target_bytes, target_rows=target_rows)
+            for name, kind in RUN_DATASETS]
