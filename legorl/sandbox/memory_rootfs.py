@@ -101,7 +101,9 @@ def held(image: str) -> Iterator[RootfsCopy | None]:
             os.close(lock)
 
 
+@functools.lru_cache(maxsize=64)
 def _image_id(image: str) -> str:
+    """The image's id (asked once per process, as its layers are: :mod:`.pagecache`)."""
     try:
         out = run_podman(["image", "inspect", "--format", "{{.Id}}", image], timeout=60).stdout.decode().strip()
     except LegorlError as exc:
