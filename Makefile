@@ -12,7 +12,7 @@ export DEBIAN_FRONTEND := noninteractive
 export HF_HUB_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: setup venv host harnesses test-deps demo test check lint typecheck bench clean-demo
+.PHONY: setup venv host harnesses test-deps demo test check lint typecheck bench gpu-check clean-demo
 
 venv: $(VENV)/.installed
 
@@ -53,6 +53,12 @@ typecheck: venv
 
 bench: setup
 	$(VENV)/bin/nox -s bench
+
+# Issue #28's GPU checks, one table (docs/gpu-check.md). With a GPU (nvidia-smi) it installs its own CUDA venvs
+# under .cache/gpu-check/ and needs no `make setup`; without one it runs in $(VENV), installs nothing and skips
+# the CUDA rows. GPU_CHECK_ARGS, e.g. `--budget 600 --only vllm,train`.
+gpu-check:
+	$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON)) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean-demo:
 	rm -rf $(RUN)
