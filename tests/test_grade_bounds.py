@@ -93,3 +93,34 @@ def test_a_patch_flooding_its_report_and_output_costs_the_grader_a_fixed_budget(
     print(f"report and output flood: grading process peak {seen['before']} -> {seen['after']} MB, "
           f"{seen['status']} ({seen['error']}), {took:.0f} s")
     assert grew < BUDGET_MB, seen
+
+
+# Just under the report's byte cap: ~2.6 million empty objects in 7.9 MB (a red team's: it cost the
+# grading process 400 MB before JSON values were counted).
+UNDER_THE_BYTE_CAP = '''
+import os as _os
+
+for _fd in range(3, 256):
+    try:
+        if _os.readlink("/proc/self/fd/%d" % _fd).endswith("report.json"):
+            _os.write(_fd, b'{"x": [' + b"{}," * 2_630_000 + b'{}]}')
+    except OSError:
+        pass
+_os._exit(0)
+'''
+
+
+def test_a_report_just_under_its_byte_cap_is_refused_by_its_count_of_values(base_image: str, tmp_path: Path) -> None:
+    task = shipped_tasks()[TASK]
+    tree = Tree(task, tmp_path / "repo")
+    (tmp_path / "task.json").write_text(json.dumps(task.to_dict()))
+    (tmp_path / "patch.diff").write_text(tree.diff(tree.append("parse/__init__.py", UNDER_THE_BYTE_CAP)))
+    (tmp_path / "grade.py").write_text(GRADE)
+    proc = subprocess.run([sys.executable, str(tmp_path / "grade.py"), str(tmp_path / "task.json"),
+                           str(tmp_path / "patch.diff")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (seen["reward"], seen["infra"]) == (0.0, False), seen
+    assert "JSON values" in (seen["error"] or ""), seen
+    print(f"report of 2.6 M values: grading process peak {seen['before']} -> {seen['after']} MB")
+    assert seen["after"] - seen["before"] < 100, seen

@@ -37,7 +37,10 @@ if TYPE_CHECKING:
     from legorl.grading.grader import GradeOptions
 
 DEFAULT_PYTEST = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
-INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
+INFRA_SLACK_S = 300.0
+# Parsed, a report costs ~100 bytes a JSON value: within MAX_REPORT_BYTES, 8 MB of "{}," cost `legorl grade`
+# 400 MB (a red team's); an honest report of 10,000 tests, its failures' frames included, holds well under this
+MAX_REPORT_VALUES = 500_000  # what the grading script may take beyond the test timeout before it is infra
 _UNPACK = "tar -x -i --no-same-owner -C / -f - && exec bash /tmp/.legorl-grade/script.sh"
 
 
@@ -83,7 +86,9 @@ class Run:
         if self.mode == "shell":
             return None if "test session starts" in self.test_output else f"no pytest session (exit {code})"
         if "report_too_large" in ev:
-            return f"the test report is {ev['report_too_large']} bytes, over {MAX_REPORT_BYTES} (the tests wrote into it)"
+            size = ev["report_too_large"]
+            over = f"{size} bytes, over {MAX_REPORT_BYTES}" if size.isdigit() else size
+            return f"the test report is {over} (the tests wrote into it)"
         if self.report is None:
             return f"the test runner wrote no report (exit {code})"
         if self.report.get("nonce") != report_nonce:
@@ -247,7 +252,12 @@ class GradingContainers:
             events.seen["judge_failed"] = last[-1][:300] if last else "the judge crashed"
         if "canary_failed" in events:
             events.seen["canary_failed"] = events.decoded("canary_failed").strip()[-300:]
-        run = Run(res, events.seen, events.test_output, _json(events.decoded("report")), _json(events.decoded("judged")),
+        report_text = events.decoded("report")
+        values = sum(report_text.count(c) for c in "{[,")  # an upper bound of its JSON values, before parsing
+        if values > MAX_REPORT_VALUES:
+            events.seen["report_too_large"] = f"{values} JSON values, over {MAX_REPORT_VALUES}"
+            report_text = ""
+        run = Run(res, events.seen, events.test_output, _json(report_text), _json(events.decoded("judged")),
                   mode, _json(events.decoded("canaries")))
         return run, report_nonce
 

@@ -206,6 +206,8 @@ class Grader:
         reference = self.reference(task)
         seed = self.canary_seed(task) if self.options.canaries else None
         first, second = halves(self.canaries(task, seed), seed) if seed is not None else ({}, {})
+        if secrets.randbits(1):  # which half the first run mutates: a coin per grade, so telling the runs apart
+            first, second = second, first  # (a red team did, by a kernel counter) says nothing of the canaries
         run, report_nonce = self.containers.run(task, text, canary_seed=seed, canary_tests=first)
         out.log = run.result.output
         if "apply_failed" in run.events:

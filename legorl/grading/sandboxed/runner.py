@@ -72,7 +72,9 @@ def status_of(report: object) -> str | None:
     return None
 
 
-RUNNER_PACKAGES = ("_pytest", "pytest", "pluggy", "unittest")
+# __main__ is this runner: the code under test reaches it with ``import __main__`` (a red team replaced
+# Recorder._check and forged every status on tasks without canaries)
+RUNNER_PACKAGES = ("_pytest", "pytest", "pluggy", "unittest", "__main__")
 _MISSING = object()
 # Audit events (PEP 578) the patch's own code has no business raising while its tests run. "exec" and
 # "compile" count only when the patch's line calls them directly (the standard library execs on behalf
@@ -81,15 +83,24 @@ CALL_EVENTS = frozenset({"exec", "compile", "marshal.loads", "code.__new__"})
 STACK_EVENTS = frozenset({"sys.settrace", "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
                           "sys._current_frames", "sys.addaudithook"})
 SETATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
-SPOOF_ATTRS = frozenset({"__code__", "__globals__", "__class__"})
-# Names the standard library sets for its callers (namedtuple, dataclass, update_wrapper): only the patch's own line counts
-NAME_ATTRS = frozenset({"__module__", "__qualname__", "__name__"})
+# Set by the patch's own line (the standard library sets them too: asyncio's import sets __code__); a
+# module's class only on the runner's modules (``sys.modules[__name__].__class__ = ...`` is a common
+# deprecation pattern). __module__/__qualname__/__name__ are nobody's business: every check judges code by
+# its file, and honest factories and decorators set them.
+SPOOF_ATTRS = frozenset({"__code__", "__globals__", "__class__", "__defaults__", "__kwdefaults__"})
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"})
-FRAME_WALKERS = ("traceback.py", "inspect.py")  # stdlib helpers that fetch frames for their caller
-# What honest code calls to log or print an exception or a stack: traceback reads the frames, the
-# caller gets text back (a red team's honest fix with ``log.exception`` scored 0 on a frame read).
+# stdlib helpers that hand frames to their caller; any other stdlib reader (asyncio's repr of a task, the
+# warnings module) keeps them to itself, so only the patch's own line reading a frame counts there
+FRAME_WALKERS = ("traceback.py", "inspect.py", "asyncio/base_tasks.py")
+# What honest code calls to log or print an exception or a stack, or to ask a generator's state: the
+# helper reads the frames, the caller gets text back (a red team's honest fix with ``log.exception`` scored
+# 0 on a frame read; another's with ``inspect.getgeneratorstate``)
 TEXT_FROM_FRAMES = frozenset({"format_exc", "print_exc", "format_exception", "print_exception", "format_tb",
-                              "print_tb", "extract_tb", "format_stack", "print_stack", "extract_stack", "print_last"})
+                              "print_tb", "extract_tb", "format_stack", "print_stack", "extract_stack", "print_last",
+                              "from_exception", "__init__"})  # TracebackException keeps summaries, no frames
+STATE_FROM_FRAMES = frozenset({"getgeneratorstate", "getcoroutinestate", "getasyncgenstate"})
+# ctypes loading a library (``import ctypes`` does, so does ``ctypes.util.find_library``) reads no memory
+CTYPES_HARMLESS = frozenset({"ctypes.dlopen", "ctypes.dlsym"})
 LOGGING_CALLS = frozenset({"exception", "error", "warning", "warn", "info", "debug", "critical", "fatal", "log",
                            "format", "formatException", "formatStack"})
 WATCHED = (*RUNNER_PACKAGES, "builtins")
@@ -113,12 +124,13 @@ class Guard:
 
         self._thread_id = threading.get_ident
         self._inside: set[int] = set()
+        import inspect
         import logging
         import traceback
 
         # the modules' own files, taken before any code of the tree ran (a traceback.py it writes to
         # /tmp and imports is not this file)
-        self._traceback, self._logging = traceback.__file__, logging.__file__
+        self._traceback, self._logging, self._inspect = traceback.__file__, logging.__file__, inspect.__file__
         import builtins
 
         self._builtins = builtins
@@ -158,17 +170,19 @@ class Guard:
             elif event == "object.__getattr__":
                 if len(args) > 1 and args[1] in FRAME_ATTRS:
                     reader = self._getframe(1)
-                    if not self._only_text(reader):
-                        self._stack(f"{event} {args[1]}", reader)
+                    if reader is not None and reader.f_code.co_filename.endswith(FRAME_WALKERS):
+                        if not self._only_text(reader):
+                            self._stack(f"{event} {args[1]}", reader)
+                    else:
+                        self._direct(f"{event} {args[1]}", reader)
             elif event in SETATTR_EVENTS:
                 target, name = args[0], str(args[1]) if len(args) > 1 else ""
-                if name in SPOOF_ATTRS:
-                    self._stack(f"{event} {name}", self._getframe(1))
-                elif name in NAME_ATTRS:
+                if name in SPOOF_ATTRS and not (isinstance(target, types.ModuleType) and name == "__class__"
+                                                and str(target.__name__).split(".")[0] not in WATCHED):
                     self._direct(f"{event} {name}", self._getframe(1))
                 elif isinstance(target, type) and str(getattr(target, "__module__", "")).split(".")[0] in WATCHED:
                     self._stack(f"{event} {getattr(target, '__name__', '')}.{name}", self._getframe(1))
-            elif event in STACK_EVENTS or event.startswith("ctypes."):
+            elif event in STACK_EVENTS or (event.startswith("ctypes.") and event not in CTYPES_HARMLESS):
                 self._stack(event, self._getframe(1))
         except Exception:  # an audit hook must never raise into the code it watches
             pass
@@ -178,7 +192,7 @@ class Guard:
     def _only_text(self, reader: types.FrameType | None) -> bool:
         """The frame is read by the standard ``traceback`` module for a call from the tree that gets
         text back: ``traceback.format_exc()`` and its kin, or a ``logging`` call formatting an exception."""
-        if reader is None or reader.f_code.co_filename != self._traceback:
+        if reader is None or reader.f_code.co_filename not in (self._traceback, self._inspect):
             return False
         entry = reader
         while entry.f_back is not None and not entry.f_back.f_code.co_filename.startswith(self.tree):
@@ -187,6 +201,7 @@ class Guard:
             return False
         code = entry.f_code
         return ((code.co_filename == self._traceback and code.co_name in TEXT_FROM_FRAMES)
+                or (code.co_filename == self._inspect and code.co_name in STATE_FROM_FRAMES)
                 or (code.co_filename == self._logging and code.co_name in LOGGING_CALLS))
 
     def _direct(self, what: str, frame: types.FrameType | None) -> None:
@@ -328,10 +343,13 @@ class Recorder:
         self.where: dict[str, list[list[object]]] = {}
         self.config: object = None
 
-    def _check(self, session: object) -> None:
+    # The hooks call the checks through default arguments, bound when this class was made: the class and the
+    # module are the tree's to rewrite (``import __main__``), and a replaced ``_check`` would check nothing.
+    # Replacing a default is an audited ``__defaults__`` write; replacing a method is in the identity snapshot.
+    def _check(self, session: object, _changed: Any = changed_objects, _foreign: Any = foreign_plugins) -> None:
         if not self.tampered:
-            found = (changed_objects(self.pristine, self.dirs)
-                     + foreign_plugins(getattr(session, "config", None), os.getcwd()) + self.guard.check())
+            found = (_changed(self.pristine, self.dirs)
+                     + _foreign(getattr(session, "config", None), os.getcwd()) + self.guard.check())
             if type(self.statuses) is not dict:
                 found.append("the recorder's statuses were replaced")
             self.tampered = found[:20]
@@ -339,8 +357,8 @@ class Recorder:
     def pytest_configure(self, config: object) -> None:
         self.config = config
 
-    def pytest_collection_finish(self, session: object) -> None:
-        self._check(session)  # the package under test has been imported by now
+    def pytest_collection_finish(self, session: object, _check: Any = _check) -> None:
+        _check(self, session)  # the package under test has been imported by now
 
     def pytest_collectreport(self, report: object) -> None:
         if getattr(report, "failed", False):
@@ -361,9 +379,9 @@ class Recorder:
                 frames.append([path[len(tree):], int(getattr(entry, "lineno", -1)) + 1])
         self.where[str(getattr(report, "nodeid", ""))] = frames
 
-    def pytest_runtest_logreport(self, report: object) -> None:
+    def pytest_runtest_logreport(self, report: object, _foreign: Any = foreign_plugins) -> None:
         if not self.tampered:  # a hook added and removed again while the tests run is seen here
-            self.tampered = (self.guard.check() + foreign_plugins(self.config, os.getcwd(), REPORT_HOOKS))[:20]
+            self.tampered = (self.guard.check() + _foreign(self.config, os.getcwd(), REPORT_HOOKS))[:20]
         status = status_of(report)
         if status is None:
             return
@@ -372,8 +390,8 @@ class Recorder:
         if old is None or SEVERITY[status] >= SEVERITY[old]:
             self.statuses[nodeid] = status
 
-    def pytest_sessionfinish(self, session: object, exitstatus: object) -> None:
-        self._check(session)
+    def pytest_sessionfinish(self, session: object, exitstatus: object, _check: Any = _check) -> None:
+        _check(self, session)
         data = {"nonce": self.nonce, "exitstatus": int(exitstatus),  # type: ignore[call-overload]
                 "collected": self.collected, "collect_errors": self.collect_errors, "statuses": self.statuses,
                 "tampered": self.tampered, "where": self.where}
