@@ -37,10 +37,10 @@ if TYPE_CHECKING:
     from legorl.grading.grader import GradeOptions
 
 DEFAULT_PYTEST = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
-INFRA_SLACK_S = 300.0
+INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
 # Parsed, a report costs ~100 bytes a JSON value: within MAX_REPORT_BYTES, 8 MB of "{}," cost `legorl grade`
 # 400 MB (a red team's); an honest report of 10,000 tests, its failures' frames included, holds well under this
-MAX_REPORT_VALUES = 500_000  # what the grading script may take beyond the test timeout before it is infra
+MAX_REPORT_VALUES = 500_000
 _UNPACK = "tar -x -i --no-same-owner -C / -f - && exec bash /tmp/.legorl-grade/script.sh"
 
 
