@@ -83,8 +83,8 @@ CALL_EVENTS = frozenset({"exec", "compile", "marshal.loads", "code.__new__"})
 STACK_EVENTS = frozenset({"sys.settrace", "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
                           "sys._current_frames", "sys.addaudithook"})
 SETATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
-# Set by the patch's own line (the standard library sets them too: asyncio's import sets __code__); a
-# module's class only on the runner's modules (``sys.modules[__name__].__class__ = ...`` is a common
+# Set by the patch's own line (the standard library sets them too: asyncio's import sets __code__), an
+# object's __class__ by the patch's code however reached; a module's class only on the runner's modules (``sys.modules[__name__].__class__ = ...`` is a common
 # deprecation pattern). __module__/__qualname__/__name__ are nobody's business: every check judges code by
 # its file, and honest factories and decorators set them.
 SPOOF_ATTRS = frozenset({"__code__", "__globals__", "__class__", "__defaults__", "__kwdefaults__"})
@@ -177,8 +177,10 @@ class Guard:
                         self._direct(f"{event} {args[1]}", reader)
             elif event in SETATTR_EVENTS:
                 target, name = args[0], str(args[1]) if len(args) > 1 else ""
-                if name in SPOOF_ATTRS and not (isinstance(target, types.ModuleType) and name == "__class__"
-                                                and str(target.__name__).split(".")[0] not in WATCHED):
+                if name == "__class__" and not isinstance(target, types.ModuleType):
+                    self._stack(f"{event} {name}", self._getframe(1))  # mock.patch.object would set it for the patch
+                elif name in SPOOF_ATTRS and not (isinstance(target, types.ModuleType)
+                                                  and str(target.__name__).split(".")[0] not in WATCHED):
                     self._direct(f"{event} {name}", self._getframe(1))
                 elif isinstance(target, type) and str(getattr(target, "__module__", "")).split(".")[0] in WATCHED:
                     self._stack(f"{event} {getattr(target, '__name__', '')}.{name}", self._getframe(1))
