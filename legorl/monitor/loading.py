@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from hashlib import sha1
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -189,17 +189,13 @@ class RunReader:
 
     def snapshot(self) -> Snapshot:
         """The run as it is now; returns the previous snapshot when nothing changed."""
-        for attempt in range(_ATTEMPTS):
+        def read() -> Snapshot:
             fp = self.fingerprint()
-            if self._snapshot is not None and self._snapshot.fingerprint == fp:
-                return self._snapshot
-            try:
+            if self._snapshot is None or self._snapshot.fingerprint != fp:
                 self._snapshot = self._read_snapshot(fp)
-                return self._snapshot
-            except Vanished:  # a compaction replaced a part while we read: list the folders again
-                if attempt == _ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
+            return self._snapshot
+
+        return _relisting(read)
 
     def _read_snapshot(self, fp: str) -> Snapshot:
         snap = Snapshot(root=self.run.root, fingerprint=fp)
@@ -223,55 +219,52 @@ class RunReader:
 
     def trial_row(self, trial_id: str) -> TrialRow:
         """The full rollout row of one trial (read from the file that holds its latest version)."""
-        for attempt in range(_ATTEMPTS):
-            snap = self.snapshot()
-            info = snap.trials.get(trial_id)
+        def read() -> TrialRow:
+            info = self.snapshot().trials.get(trial_id)
             if info is None:
                 raise LegorlError(f"{self.run.rollouts}: no trial {trial_id!r}")
-            try:
-                rows = _rows_in(info.file, Kind.ROLLOUTS, [trial_id], info.step)
-            except Vanished:
-                if attempt == _ATTEMPTS - 1:
-                    raise
-                continue
-            return TrialRow.from_dict(rows[trial_id])
-        raise AssertionError("unreachable")
+            return TrialRow.from_dict(_rows_in(info.file, Kind.ROLLOUTS, [trial_id], info.step)[trial_id])
+
+        return _relisting(read)
 
     def grade_row(self, trial_id: str) -> GradeRow | None:
         """The full grade row of one trial, test log included, or None when it is not graded."""
-        for attempt in range(_ATTEMPTS):
+        def read() -> GradeRow | None:
             grade = self.snapshot().grades.get(trial_id)
             if grade is None or grade.file is None:
                 return None
-            try:
-                rows = _rows_in(grade.file, Kind.GRADES, [trial_id], grade.step)
-            except Vanished:
-                if attempt == _ATTEMPTS - 1:
-                    raise
-                continue
-            return GradeRow.from_dict(rows[trial_id])
-        raise AssertionError("unreachable")
+            return GradeRow.from_dict(_rows_in(grade.file, Kind.GRADES, [trial_id], grade.step)[trial_id])
+
+        return _relisting(read)
 
     def step_rows(self, step: int) -> tuple[dict[str, TrialRow], dict[str, GradeRow]]:
         """The full rollout and grade rows of one step's trials, each file that holds them read once
         (for a bulk export; one trial's rows: :meth:`trial_row`, :meth:`grade_row`)."""
-        for attempt in range(_ATTEMPTS):
+        def read() -> tuple[dict[str, TrialRow], dict[str, GradeRow]]:
             snap = self.snapshot()
             ids = [t.trial_id for t in snap.trials.values() if t.step == step]
-            try:
-                trials = _rows_by_file(((snap.trials[i].file, snap.trials[i].step, i) for i in ids), Kind.ROLLOUTS)
-                graded = [snap.grades[i] for i in ids if i in snap.grades]
-                grades = _rows_by_file(((g.file, g.step, g.trial_id) for g in graded if g.file), Kind.GRADES)
-            except Vanished:
-                if attempt == _ATTEMPTS - 1:
-                    raise
-                continue
+            trials = _rows_by_file(((snap.trials[i].file, snap.trials[i].step, i) for i in ids), Kind.ROLLOUTS)
+            graded = [snap.grades[i] for i in ids if i in snap.grades]
+            grades = _rows_by_file(((g.file, g.step, g.trial_id) for g in graded if g.file), Kind.GRADES)
             return ({i: TrialRow.from_dict(d) for i, d in trials.items()},
                     {i: GradeRow.from_dict(d) for i, d in grades.items()})
-        raise AssertionError("unreachable")
+
+        return _relisting(read)
 
 
 _ATTEMPTS = 5  # listings of a run that a compaction may change under a reader
+_T = TypeVar("_T")
+
+
+def _relisting(read: Callable[[], _T]) -> _T:
+    """``read()``, again (from a fresh listing) when a compaction replaced a part file it was reading."""
+    for attempt in range(_ATTEMPTS):
+        try:
+            return read()
+        except Vanished:
+            if attempt == _ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _summaries(folder: Path, cache: dict[tuple[str, int, int], list[Any]], summarise: Any) -> Iterable[Any]:
