@@ -198,6 +198,11 @@ GRADES_SCHEMA = pa.schema(
         # grade --confirm, for a grade of 1: true when a fresh rerun of the same patch scored 1 too; false when it did
         # not (the reward is then 0: a pass that does not reproduce earns nothing); null when not asked or not a 1
         pa.field("confirmed", pa.bool_()),
+        # grade --verifier: the plug-in (package.module:function) whose reward is in `reward`, the hidden tests' own
+        # reward before it, and the reasons it gave; null / empty without one (legorl.grading.verifier)
+        pa.field("verifier", _str),
+        pa.field("tests_reward", pa.float64()),
+        pa.field("verifier_reasons", _strings),
         pa.field("duration_s", pa.float64()),
         pa.field("log", _str),
         pa.field("fingerprint", GRADE_FINGERPRINT_TYPE),

@@ -93,6 +93,7 @@ class GradeStatus(StrEnum):
     TESTS_ERRORED = "tests_errored"  # the test run broke after the patch went in (crash, kill, no report)
     SUSPICIOUS = "suspicious"  # a Harbor task's test.sh passed, but the screen flags the patch's code
     TAMPERED = "tampered"  # the tests passed, and so did a canary: a test every honest patch fails
+    VERIFIER_FAILED = "verifier_failed"  # the --verifier gave no reward for this patch (it does for the gold one)
     INFRA_ERROR = "infra_error"
 
 
@@ -366,6 +367,9 @@ class GradeRow(_Row):
     canaries: list[str] = field(default_factory=list)
     control: str | None = None
     confirmed: bool | None = None  # --confirm: did a fresh rerun reproduce the pass (see GRADES_SCHEMA)
+    verifier: str | None = None  # the --verifier that gave the reward (see GRADES_SCHEMA)
+    tests_reward: float | None = None
+    verifier_reasons: list[str] = field(default_factory=list)
     duration_s: float | None = None
     log: str | None = None
     fingerprint: GradeFingerprint | None = None  # null in shards written before it was recorded

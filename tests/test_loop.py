@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +16,14 @@ from legorl import metric_keys as mk
 from legorl import shards
 from legorl.schemas import Kind
 
-TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks" / "tasks.parquet"
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "examples" / "tasks" / "tasks.parquet"
+VERIFIERS = {**os.environ, "PYTHONPATH": str(ROOT / "examples" / "verifiers")}  # the example reward plug-in
 
 
 def legorl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "legorl.cli", *args], capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, "-m", "legorl.cli", *args], capture_output=True, text=True, timeout=900,
+                          env=VERIFIERS)
 
 
 def sampled_logprobs(model_dir: Path, segment) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -41,7 +45,7 @@ def test_loop_trains_and_the_next_step_samples_from_the_new_checkpoint(
     assert legorl("tasks", "import", str(TASKS), "--run", str(run)).returncode == 0
     args = ["loop", "--run", str(run), "--model", str(tiny_model), "--harness", "simple", "--steps", "2",
             "--samples", "2", "--limit", "1", "--max-turns", "2", "--max-tokens", "12", "--timeout", "120",
-            "--lr", "1e-2", "--json"]
+            "--lr", "1e-2", "--grade-verifier", "concise:verify", "--json"]
     result = legorl(*args)
     assert result.returncode == 0, result.stderr[-2000:]
     history = json.loads(result.stdout)["steps"]
@@ -49,7 +53,11 @@ def test_loop_trains_and_the_next_step_samples_from_the_new_checkpoint(
 
     trials = shards.read_rows(run / "rollouts", Kind.ROLLOUTS)
     assert sorted(t.step for t in trials) == [0, 0, 1, 1]
-    assert {g.trial_id for g in shards.read_rows(run / "grades", Kind.GRADES)} == {t.trial_id for t in trials}
+    grades = shards.read_rows(run / "grades", Kind.GRADES)
+    assert {g.trial_id for g in grades} == {t.trial_id for t in trials}
+    for g in grades:  # the reward plug-in gave every reward the hidden tests judged, and no other
+        judged = g.status == "graded"
+        assert (g.verifier, g.tests_reward is not None) == (("concise:verify", True) if judged else (None, False))
     metric_steps = set(shards.read(run / "train" / "metrics", Kind.METRICS).table.column("step").to_pylist())
     assert metric_steps == {0, 1}
     checkpoints = run / "train" / "checkpoints"
@@ -69,3 +77,13 @@ def test_loop_trains_and_the_next_step_samples_from_the_new_checkpoint(
     # A rerun resumes: nothing left to roll out or grade.
     again = json.loads(legorl(*args).stdout)["steps"]
     assert all(h["new_trials"] == 0 and h["new_grades"] == 0 for h in again)
+
+
+def test_loop_refuses_a_verifier_it_cannot_import_before_any_rollout(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert legorl("tasks", "import", str(TASKS), "--run", str(run), "--limit", "1").returncode == 0
+    result = legorl("loop", "--run", str(run), "--model", str(tmp_path), "--harness", "simple", "--steps", "1",
+                    "--grade-verifier", "concise:no_such_function")
+    assert result.returncode == 1
+    assert "verifier 'concise:no_such_function': concise has no attribute 'no_such_function'" in result.stdout + result.stderr
+    assert not (run / "rollouts").exists()

@@ -188,6 +188,11 @@ class GradingContainers:
         self._tars: dict[tuple[str, str], bytes] = {}
         self._heads: dict[tuple[str, str], frozenset[str]] = {}
 
+    @property
+    def run_once(self) -> Callable[..., ExecResult] | None:
+        """The backend's one-call ``podman run --rm -i``, where it has one."""
+        return self._run_once
+
     def image_for(self, task: TaskRow) -> str:
         """The image a task grades in: its own, else the default, else the sandbox base image."""
         if task.image:

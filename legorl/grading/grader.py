@@ -48,11 +48,12 @@ from legorl.fingerprints import grade_fingerprint
 from legorl.grading import harbor
 from legorl.grading.container import GradingContainers, GradingInfraError, Run
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
-from legorl.grading.report import evaluate, failed_report
+from legorl.grading.report import F2P, P2P, evaluate, failed_report
 from legorl.grading.script import SANDBOXED_DIGEST
+from legorl.grading.verifier import Verifier, VerifierFailed, check_spec, report_of
 from legorl.paths import cache_dir
 from legorl.sandbox.base import MAX_PATCH_BYTES, Sandbox, SandboxSpec
-from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow
+from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 
 GRADER_VERSION = "4"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
 MAX_LOG_CHARS = 200_000
@@ -81,6 +82,11 @@ class GradeOptions:
         "Mutate the task's canaries (tests every honest patch fails once their expectation is changed), half "
         "in each of a pass's two runs: a patch that passes a canary forged the run (tampered, 0). Off: one run, "
         "and only the in-process tripwires stand.")})
+    verifier: str | None = field(default=None, metadata={"help": (
+        "A reward plug-in, package.module:function(task, patch, report) -> reward [, reasons]: run in its own "
+        "sandbox on every grade the hidden tests judged; its reward replaces theirs (kept as tests_reward). "
+        "See legorl.grading.verifier.")})
+    verifier_timeout: float = field(default=60.0, metadata={"help": "Seconds the --verifier may take per grade."})
     labels: dict[str, str] = field(default_factory=dict)
     run_empty: bool = False  # also run the tests for an empty patch (task validation)
     # Harbor tasks (their test.sh decides; no runner, no canaries): False lets a pass the screen flags keep
@@ -92,10 +98,14 @@ class GradeOptions:
             raise ConfigError(f"--concurrency must be at least 1, got {self.concurrency}")
         if not self.test_timeout > 0:
             raise ConfigError(f"--timeout must be positive, got {self.test_timeout}")
+        if not self.verifier_timeout > 0:
+            raise ConfigError(f"--verifier-timeout must be positive, got {self.verifier_timeout}")
+        if self.verifier:
+            check_spec(self.verifier)
 
 
 # The grading options the composed commands (`legorl eval`, `legorl loop`) take, as --grade-…: one list for both.
-GRADE_FIELDS = ("concurrency", "test_timeout", "confirm")
+GRADE_FIELDS = ("concurrency", "test_timeout", "confirm", "verifier")
 
 
 def _trim(log: str) -> str:
@@ -123,6 +133,8 @@ class Grader:
         self._references: dict[str, TestStatuses] = {}
         self._controls: dict[str, tuple[float, str]] = {}
         self._canaries: dict[str, dict[str, dict[str, object]]] = {}
+        self.verifier = self._make_verifier() if self.options.verifier else None
+        self._verifier_controls: dict[str, tuple[float, str]] = {}
 
     # ------------------------------------------------------------------ the verdict
 
@@ -134,6 +146,8 @@ class Grader:
         self._verdict(task, patch, out)
         if self.options.confirm and out.reward == 1.0:
             self._confirm(task, patch, out)
+        if self.verifier is not None and out.status == GradeStatus.GRADED and out.reward is not None:
+            self._verify(task, patch or "", out)
         out.duration_s = round(time.monotonic() - start, 3)
         out.fingerprint = grade_fingerprint(task, self.containers)
         if out.log is not None:
@@ -177,6 +191,53 @@ class Grader:
                    f"{rerun.reward} ({rerun.status}{'; failing: ' + ', '.join(failing[:5]) if failing else ''})", task)
         out.tests, out.confirmed = rerun.tests, False
         out.log = (out.log or "") + "\n>>>>> legorl: the confirming rerun\n" + (rerun.log or "")
+
+    # ------------------------------------------------------------------ the verifier
+
+    def _make_verifier(self) -> Verifier:
+        run_once = self.containers.run_once
+        if run_once is None:
+            raise ConfigError("--verifier runs in its own podman container: it needs the podman backend")
+        from legorl.sandbox.host import base_image
+
+        return Verifier(str(self.options.verifier), base_image(), run_once, self.options.verifier_timeout)
+
+    def _verify(self, task: TaskRow, patch: str, out: GradeRow) -> None:
+        """The verifier's reward in place of the tests' (:mod:`.verifier`); a failure on this patch is its 0,
+        unless the verifier fails on the task's gold patch too."""
+        assert self.verifier is not None
+        out.verifier, out.tests_reward = self.verifier.spec, out.reward
+        try:
+            verdict = self.verifier(task.to_dict(), patch, report_of(out))
+        except VerifierFailed as exc:
+            broken = self._verifier_control(task)
+            if broken:
+                self._infra(out, f"{exc}; on the task's gold patch too: {broken}")
+                return
+            out.status, out.reward, out.error = GradeStatus.VERIFIER_FAILED, 0.0, str(exc)
+            return
+        out.reward, out.verifier_reasons = verdict.reward, verdict.reasons
+
+    def _verifier_control(self, task: TaskRow) -> str | None:
+        """The verifier on the task's gold patch, as if it passed every test: None when it gives a reward."""
+        key = self._task_key(task)
+        with self._lock:
+            seen = self._verifier_controls.get(key)
+        if seen is not None and time.monotonic() - seen[0] < CONTROL_TTL_S:
+            return seen[1] or None
+        gold = GradeRow(trial_id=task.instance_id, task_id=task.instance_id, status=GradeStatus.GRADED, reward=1.0,
+                        resolved=True, resolution=Resolution.FULL,
+                        tests=[TestResult(name=n, kind=kind, status="PASSED", passed=True)
+                               for names, kind in ((task.FAIL_TO_PASS, F2P), (task.PASS_TO_PASS, P2P)) for n in names])
+        assert self.verifier is not None
+        try:
+            self.verifier(task.to_dict(), task.patch or "", report_of(gold))
+            problem = ""
+        except LegorlError as exc:
+            problem = str(exc)
+        with self._lock:
+            self._verifier_controls[key] = (time.monotonic(), problem)
+        return problem or None
 
     @staticmethod
     def _infra(out: GradeRow, error: str) -> None:
