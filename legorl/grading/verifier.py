@@ -20,7 +20,9 @@ nothing else from the host. A verifier that fails on a patch (an exception, a ti
 scores that patch 0 (``verifier_failed``) — a patch must not buy its way out of a 0 by tripping it —
 unless the same verifier fails on the task's gold patch too: then the verifier itself is broken, and
 the grade is infrastructure. Grades the tests did not judge (tampered, timed out, errored, empty,
-infrastructure) keep their verdict: a verifier never pays for a forgery.
+infrastructure) keep their verdict: a verifier never pays for a forgery. The canaries check a grade's
+per-test statuses only when it resolved the task; in an unresolved grade they are the code under test's
+claims, so partial credit for some passing tests pays on what nobody checked (docs/threat-model.md).
 """
 
 from __future__ import annotations
