@@ -25,12 +25,17 @@ IS_WEIGHT_MIN: Final = "is/weight_min"
 IS_WEIGHT_MAX: Final = "is/weight_max"
 IS_TRUNCATED_FRAC: Final = "is/truncated_frac"
 IS_ESS: Final = "is/ess"
+# Under --is-mode mask only (masked IS): the share of the weights set to 0 (tokens at token level,
+# segments at sequence / geometric level), and the share of sampled tokens whose weight is 0.
+IS_MASKED_FRAC: Final = "is/masked_frac"
+IS_MASKED_TOKEN_FRAC: Final = "is/masked_token_frac"
 # The same per staleness level, each prefix followed by the lag ("is/ess/lag1"): over the sampled
 # tokens that lag that many policy versions behind the trained step (legorl.provenance; at sequence
 # level, the segments whose oldest token does). Tokens of unknown version are in the figures above only.
 IS_WEIGHT_MEAN_AT_LAG: Final = "is/weight_mean/lag"
 IS_TRUNCATED_FRAC_AT_LAG: Final = "is/truncated_frac/lag"
 IS_ESS_AT_LAG: Final = "is/ess/lag"
+IS_MASKED_FRAC_AT_LAG: Final = "is/masked_frac/lag"  # --is-mode mask only
 
 # TRL's log entries legorl relies on, under TRL's names; CLIP_FRACTION is TRL's region clip ratio.
 LOSS: Final = "loss"

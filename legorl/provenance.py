@@ -26,8 +26,10 @@ from typing import Any, Final, Literal
 
 from legorl.errors import ConfigError, LegorlError
 
-StaleTokens = Literal["drop_trial", "mask"]
-STALE_TOKENS: tuple[str, ...] = ("drop_trial", "mask")
+# What a trial over the bound gets: left out, its stale tokens without loss, or trained as it is (its
+# importance weights, e.g. --is-mode mask, then the only correction: docs/off-policy.md)
+StaleTokens = Literal["drop_trial", "mask", "keep"]
+STALE_TOKENS: tuple[str, ...] = ("drop_trial", "mask", "keep")
 
 # Metric keys of the loop's per-step staleness figures (RUN/train/metrics, stage "loop"). Kept here,
 # beside their definition; each LAG_* prefix is followed by the lag ("staleness/trials_lag/1").

@@ -168,6 +168,10 @@ def test_tokens_forks_parse_errors_and_budget_stops() -> None:
     assert b.forks == 2  # rewrite + subagent; auxiliary is not a fork
     assert b.turns == 3  # the auxiliary call (title generation) is not a turn
     assert b.parse_errors == 1 and b.budget_stops == 1
+    # a harness that stops at its own turn limit (no proxy stop on any call) was cut off by a budget too
+    for outcome, cut in (("max_turns", 1), ("timeout", 1), ("context_overflow", 1), ("submitted", 0)):
+        own = trial_behaviour(trial(conv(bash("ls")), segments=segments, calls=calls[:2], outcome=outcome))
+        assert own.budget_stops == cut, outcome
 
 
 def test_aggregate_per_step_and_harness_excludes_infra() -> None:

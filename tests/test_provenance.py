@@ -169,6 +169,8 @@ def test_the_bound_drops_or_masks_only_calls_older_than_k() -> None:
     }
     masked = provenance.staleness_metrics([row, fresh], 5, provenance.Staleness(1, "mask"))
     assert masked[provenance.TRIALS_DROPPED] == 0.0 and masked[provenance.TOKENS_MASKED] == 3.0
+    kept = provenance.staleness_metrics([row, fresh], 5, provenance.Staleness(1, "keep"))
+    assert (kept[provenance.TRIALS_STALE], kept[provenance.TRIALS_DROPPED], kept[provenance.TOKENS_MASKED]) == (1, 0, 0)
     assert provenance.lag_shares([row, fresh, unknown]) == {"0": 0.5, "2": 0.5}
 
 
@@ -255,6 +257,10 @@ def test_the_trainer_drops_or_masks_stale_trials_and_the_loop_writes_its_figures
     assert [t.trial_id for t in masked.trials] == [fresh.trial_id, mixed.trial_id]
     (sequence,) = [masked.sequences[i] for i in masked.trials[1].sequences]
     assert sequence.loss_mask.tolist() == [0] * 7 + [1, 1] + [0] * 3  # the version-0 call's tokens carry no loss
+    kept = load_step(run, 2, staleness=provenance.Staleness(1, "keep"))
+    (sequence,) = [kept.sequences[i] for i in kept.trials[1].sequences]
+    assert sequence.loss_mask.tolist() == [0] * 2 + [1] * 3 + [0] * 2 + [1, 1] + [0] * 3  # every sampled token
+    assert kept.dropped["stale_trial"] == 0
     assert load_step(run, 2).dropped["stale_trial"] == 0  # no bound given: every trial as it is
 
     figures = _staleness_figures(run, 2, provenance.Staleness(1))

@@ -69,7 +69,8 @@ class OnlineConfig:
         "engine loads each checkpoint as soon as it exists (between calls).")})
     stale_tokens: StaleTokens = field(default="drop_trial", metadata={"help": (
         "What a trial with calls older than --max-staleness gets: drop_trial (left out of training, kept "
-        "in the shards and counted in the metrics) or mask (trained, its stale tokens without loss).")})
+        "in the shards and counted in the metrics), mask (trained, its stale tokens without loss) or keep "
+        "(trained as it is, its importance weights the only correction: pair it with --is-mode mask).")})
     grade: GradeOptions = field(default_factory=GradeOptions)  # how each step's trials are graded
     engine: str = "embedded"  # PolicySpec.engine: embedded, or vllm (whose weights the loop reloads each step)
     upstream: str | None = None  # PolicySpec.upstream: a running vLLM server (None with vllm: start one)

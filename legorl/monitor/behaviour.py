@@ -27,7 +27,7 @@ from legorl.monitor.behaviour_summary import ALL as ALL
 from legorl.monitor.behaviour_summary import METRICS as METRICS
 from legorl.monitor.behaviour_summary import aggregate as aggregate
 from legorl.monitor.behaviour_summary import summarize as summarize
-from legorl.schemas import SegmentReason, TrialRow
+from legorl.schemas import BUDGET_STOP_OUTCOMES, SegmentReason, TrialRow
 
 
 class Action(StrEnum):
@@ -220,6 +220,9 @@ class TrialBehaviour:
         return self.test_runs > 0
 
 
+_BUDGET_OUTCOMES = frozenset(BUDGET_STOP_OUTCOMES.values())
+
+
 def _text(content: Any) -> str:
     """Message content as text: a string, or the text parts of a content-part list."""
     if isinstance(content, str):
@@ -323,7 +326,8 @@ def trial_behaviour(row: TrialRow, token_counts: Sequence[tuple[str, int, int]] 
         self_verifying=self_verifies(events),
         forks=sum(reason in _FORK_REASONS for reason, _, _ in counts),
         parse_errors=sum(1 for c in row.calls if c.parse_error),
-        budget_stops=sum(1 for c in row.calls if c.budget_stop) or int(row.outcome == "budget"),
+        # the proxy's stops, else an outcome of the same kind the harness (its own turn limit) or the host reached
+        budget_stops=sum(1 for c in row.calls if c.budget_stop) or int(row.outcome in _BUDGET_OUTCOMES),
         events=events,
     )
 

@@ -25,7 +25,7 @@ METRICS: dict[str, str] = {
     "test_run_rate": "share of trials that run tests",
     "forks_per_trial": "segments forked by history rewrites or sub-agents, per trial",
     "parse_errors_per_trial": "tool-call parse errors per trial",
-    "budget_cutoff_rate": "share of trials cut off by a proxy budget",
+    "budget_cutoff_rate": "share of trials cut off by a budget: turns, tokens, context or wall time",
 }
 
 

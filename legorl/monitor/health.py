@@ -134,7 +134,7 @@ def warnings(summary: dict[str, Any]) -> list[str]:
         (("zero_variance_share",), lambda v: v > 0.8, "over 80% of groups have zero reward variance: little gradient signal"),
         (("behaviour_latest_step", "text_only_turn_share"), lambda v: v > 0.5,
          "most turns call no tool: the policy may be collapsing to text-only answers"),
-        (("behaviour_latest_step", "budget_cutoff_rate"), lambda v: v > 0.3, "over 30% of trials hit a proxy budget"),
+        (("behaviour_latest_step", "budget_cutoff_rate"), lambda v: v > 0.3, "over 30% of trials hit a budget (turns, tokens, context, wall time)"),
         (("behaviour_latest_step", "parse_errors_per_trial"), lambda v: v > 1, "more than one tool-call parse error per trial"),
     ]
     for path, test, message in checks:

@@ -122,7 +122,7 @@ def load_step(
 
     ``staleness`` (the overlapped loop's bound): a trial with calls more than ``max_staleness``
     policy versions behind ``step`` is left out (``drop_trial``) or trained without loss on its
-    stale tokens (``mask``); without it every trial is taken as it is."""
+    stale tokens (``mask``), or trained as it is (``keep``); without it every trial is taken as it is."""
     steps = available_steps(run)
     if not steps:
         raise LegorlError(f"{run.rollouts}: no rollouts to train on (run `legorl rollout --run {run.root}` first)")
@@ -164,7 +164,8 @@ def load_step(
             if staleness.stale_tokens == "drop_trial":
                 data.dropped["stale_trial"] += 1
                 continue
-            masks = provenance.segment_loss_masks(row, step, staleness.max_staleness)
+            if staleness.stale_tokens == "mask":
+                masks = provenance.segment_loss_masks(row, step, staleness.max_staleness)
         trial = Trial(
             trial_id=row["trial_id"], group_id=row["group_id"], harness=row["harness"],
             reward=float(grade["reward"]), resolved=bool(grade["resolved"]),

@@ -17,13 +17,15 @@ from legorl.errors import ConfigError
 from legorl.schemas import SegmentReason
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo"]
-ISLevel = Literal["token", "sequence", "none"]
+ISLevel = Literal["token", "sequence", "geometric", "none"]
+ISMode = Literal["truncate", "mask"]
 RewardScale = Literal["group", "batch", "none"]
 TrialWeighting = Literal["trial", "token"]
 Replay = Literal["auto", "on", "off"]
 
 LOSSES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo")
-IS_LEVELS: tuple[str, ...] = ("token", "sequence", "none")
+IS_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric", "none")
+IS_MODES: tuple[str, ...] = ("truncate", "mask")
 
 
 @dataclass
@@ -37,10 +39,18 @@ class TrainOptions:
         "(token-level mean), gspo (TRL's grpo with sequence-level importance ratios). Sets TRL's loss_type "
         "and importance_sampling_level.")})
     importance_sampling: ISLevel = field(default="token", metadata={"aliases": ["--is"], "help": (
-        "Correction against the rollout policy's logprobs: token (truncated per-token weights, TIS), "
-        "sequence (one truncated weight per segment) or none.")})
+        "Correction against the rollout policy's logprobs, from the ratios r = pi_old / pi_rollout of the "
+        "sampled tokens: token (one weight per token), sequence (prod r, one per segment), geometric "
+        "(exp(mean log r), one per segment, free of its length) or none. --is-mode says what becomes of "
+        "the ratio (docs/off-policy.md).")})
+    is_mode: ISMode = field(default="truncate", metadata={"help": (
+        "truncate: weight min(ratio, --is-cap) (TIS). mask: weight ratio inside [--is-lower, --is-cap], 0 "
+        "outside (masked IS; at token level IcePop, at geometric level verl's geometric rejection): a "
+        "masked token or segment gets no gradient.")})
     is_cap: float = field(default=2.0, metadata={"help": (
-        "Truncation cap C of the importance weights min(pi_old / pi_rollout, C).")})
+        "C: the truncation cap (truncate) or the upper bound of the kept ratios (mask, then > 1).")})
+    is_lower: float | None = field(default=None, metadata={"help": (
+        "With --is-mode mask: the lower bound of the kept ratios, in (0, 1] (default 1 / --is-cap).")})
     trial_weighting: TrialWeighting | None = field(default=None, metadata={"help": (
         "How much a trial weighs in the loss. trial: every trial counts once, whatever its length and "
         "segment count; token: every sampled token counts once. Default: trial for grpo/gspo, token for "
@@ -134,8 +144,7 @@ class TrainOptions:
             raise ConfigError(f"unknown trial weighting {self.trial_weighting!r}: choose trial or token")
         if self.routing_replay not in ("auto", "on", "off"):
             raise ConfigError(f"unknown routing replay {self.routing_replay!r}: choose auto, on or off")
-        if self.is_cap <= 0:
-            raise ConfigError(f"--is-cap must be > 0 (got {self.is_cap})")
+        self._validate_correction()
         for name in ("num_iterations", "micro_batches", "logprob_batch_size", "logprob_max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
@@ -147,6 +156,26 @@ class TrainOptions:
             raise ConfigError(f"learning rate must be > 0 (got {self.learning_rate})")
         if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+
+    def _validate_correction(self) -> None:
+        if self.is_mode not in IS_MODES:
+            raise ConfigError(f"unknown --is-mode {self.is_mode!r}: choose one of {', '.join(IS_MODES)}")
+        if not self.is_cap > 0:  # NaN too
+            raise ConfigError(f"--is-cap must be > 0 (got {self.is_cap})")
+        if self.is_mode == "truncate":
+            if self.is_lower is not None:
+                raise ConfigError(f"--is-lower {self.is_lower} applies to --is-mode mask only (truncation has no "
+                                  "lower bound)")
+            return
+        if self.importance_sampling == "none":
+            raise ConfigError("--is-mode mask needs an importance sampling level (--is token, sequence or geometric), "
+                              "not none")
+        if self.is_cap <= 1:
+            raise ConfigError(f"--is-cap must be > 1 with --is-mode mask (got {self.is_cap}): the kept ratios "
+                              "[--is-lower, --is-cap] must hold 1, the ratio of a token both policies agree on")
+        if self.is_lower is not None and not (0 < self.is_lower <= 1):
+            raise ConfigError(f"--is-lower must be in (0, 1] (got {self.is_lower}), below --is-cap {self.is_cap}: "
+                              "the kept ratios [--is-lower, --is-cap] must hold 1")
 
     @property
     def reward_scale(self) -> RewardScale:
@@ -172,7 +201,7 @@ class TrainOptions:
 
 # The fields `legorl train` exposes as options (cli/options.py reads help, aliases, type and default).
 TRAIN_CLI_FIELDS: tuple[str, ...] = (
-    "loss", "importance_sampling", "is_cap", "learning_rate", "num_iterations", "micro_batches",
+    "loss", "importance_sampling", "is_mode", "is_cap", "is_lower", "learning_rate", "num_iterations", "micro_batches",
     "groups_per_batch", "scale_rewards", "trial_weighting", "routing_replay", "report_to", "temperature",
     "seed", "bf16", "gradient_checkpointing", "padding_free", "share_prefixes", "max_tokens_per_micro_batch",
     "skip_zero_advantage",

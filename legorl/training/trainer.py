@@ -49,7 +49,14 @@ from legorl.training.batching import BatchTotals, GroupBatchSampler, micro_batch
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData, TrainSequence
 from legorl.training.distributed import gather_cat, sum_across
-from legorl.training.importance import importance_weights, value_versions, weight_stats, weight_stats_by_lag
+from legorl.training.importance import (
+    SEGMENT_LEVELS,
+    importance_weights,
+    value_tokens,
+    value_versions,
+    weight_stats,
+    weight_stats_by_lag,
+)
 from legorl.training.logprobs import sampled_logps
 from legorl.training.metrics import MetricsRecorder, fidelity, harness_split
 from legorl.training.packing import MIN_SHARED_PREFIX, Packed, pack, token_chunks
@@ -62,7 +69,7 @@ _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime", "train_samples_per_sec
 _NO_WORK = "legorl_no_work"
 # Marks a micro-batch whose old logprobs come from its own training forward (score_in_training_forward).
 _FROM_FORWARD = "legorl_old_from_forward"
-_HEALTH_VALUES = ("old", "rollout", "harness", "weight", "raw", "version")
+_HEALTH_VALUES = ("old", "rollout", "harness", "weight", "raw", "version", "tokens")
 
 
 def stored_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) -> list[float | None]:
@@ -265,12 +272,12 @@ class SegmentGRPOTrainer(GRPOTrainer):
             with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
                 old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing,
                                               padded.completion_mask.to(device) * mask, fork_keys)
-            weights, values["weight"], values["raw"] = importance_weights(
-                old_logps, rollout_logps, mask, cfg.importance_sampling, cfg.is_cap)
+            weights, values["weight"], values["raw"] = self._importance_weights(old_logps, rollout_logps, mask)
             sampled = mask > 0
             values["old"], values["rollout"] = old_logps[sampled], rollout_logps[sampled]
             values["harness"] = torch.tensor(harness_of, device=device)[:, None].expand_as(mask)[sampled]
             values["version"] = value_versions(versions, mask, cfg.importance_sampling)
+            values["tokens"] = value_tokens(mask, cfg.importance_sampling)
             output.update({"advantages": trial_advantage[:, None] * weights, "old_per_token_logps": old_logps})
         if not from_forward:
             self._record_health(values, harnesses, watch, batch)
@@ -283,18 +290,24 @@ class SegmentGRPOTrainer(GRPOTrainer):
         the end of the batch."""
         cfg = self.train_config
         old, mask = logps.detach(), inputs["tool_mask"]
-        weights, weight, raw = importance_weights(old, inputs["rollout_logps"], mask, cfg.importance_sampling,
-                                                  cfg.is_cap)
+        weights, weight, raw = self._importance_weights(old, inputs["rollout_logps"], mask)
         inputs["advantages"] = inputs["trial_advantages"][:, None] * weights
         sampled = mask > 0
         version = value_versions(inputs["token_versions"], mask, cfg.importance_sampling)
-        if cfg.importance_sampling == "sequence":  # one weight per row: not the rows that only pad the piece
+        tokens = value_tokens(mask, cfg.importance_sampling)
+        if cfg.importance_sampling in SEGMENT_LEVELS:  # one weight per row: not the rows that only pad the piece
             trained = sampled.any(-1)
-            weight, raw, version = weight[trained], raw[trained], version[trained]
+            weight, raw, version, tokens = weight[trained], raw[trained], version[trained], tokens[trained]
         harness = inputs["harness_ids"][:, None].expand_as(mask)[sampled]
         for name, value in zip(_HEALTH_VALUES, (old[sampled], inputs["rollout_logps"][sampled], harness, weight, raw,
-                                                version), strict=True):
+                                                version, tokens), strict=True):
             self._health_values[name].append(value)
+
+    def _importance_weights(
+        self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.train_config
+        return importance_weights(old, rollout, mask, cfg.importance_sampling, cfg.is_cap, cfg.is_mode, cfg.is_lower)
 
     def _flush_health(self) -> None:
         """After a generation batch's last micro-step: the figures of the old logprobs its forwards gave."""
@@ -317,9 +330,10 @@ class SegmentGRPOTrainer(GRPOTrainer):
         old, rollout = gathered["old"], gathered["rollout"]
         everywhere = torch.ones_like(old)
         self._record(fidelity(old, rollout, everywhere))
-        self._record(weight_stats(gathered["weight"], gathered["raw"], cfg.is_cap).as_dict())
+        correction = (cfg.is_cap, cfg.is_mode, cfg.is_lower)
+        self._record(weight_stats(gathered["weight"], gathered["raw"], *correction, gathered["tokens"]).as_dict())
         self._record(weight_stats_by_lag(gathered["weight"], gathered["raw"], gathered["version"], self.step_data.step,
-                                         cfg.is_cap))
+                                         *correction, gathered["tokens"]))
         for index, harness in enumerate(harnesses):
             rows = gathered["harness"] == index
             self._record(fidelity(old[rows], rollout[rows], everywhere[rows]), harness)
