@@ -13,13 +13,28 @@ and :func:`with_configs` gives the command one option per field and calls it wit
 built from them (its ``__post_init__`` validates; a :class:`~legorl.errors.ConfigError` is the
 one-line error the user sees). Composed commands (``legorl loop``) take several configs; a
 ``prefix`` keeps their options apart (``--grade-timeout``).
+
+Every such command also reads ``--config FILE`` (YAML or TOML), one flat key per option, named as the
+option is (``max_turns: 30``, ``grade_test_timeout: 5``; dashes or underscores), its own options
+(``model``, ``json``) included: the file's values become the options' defaults in click
+(``default_map``), so an option given on the command line beats the file, which beats the field's
+default, and a required option the file gives is given. Each value is checked as the option checks it
+(its type, its ``parse`` function, then the config's ``__post_init__``); an error names the file and
+the key. ``--print-config`` writes every option's value as such a file (a value ``parse`` read as the
+text it reads back: ``str``) and exits; fed back with ``--config`` it gives the same configs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
+import enum
 import functools
 import inspect
+import json
+import math
+import re
 import sys
 import types
 import typing
@@ -30,7 +45,14 @@ from typing import Annotated, Any, Literal
 
 import typer
 
+from legorl.errors import ConfigError, LegorlError
+
 HELP, ALIASES, PARSE = "help", "aliases", "parse"
+Format = Literal["yaml", "toml"]
+FORMATS: dict[str, Format] = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}
+FILE_PARAMS = ("config_file", "print_config", "print_format")  # the options with_configs adds for config files
+PANEL = "Config file"
+_LOADED = "legorl.config"  # ctx.meta: (path, {parameter: the value as the file wrote it})
 
 
 @dataclass(frozen=True)
@@ -81,21 +103,39 @@ class ConfigOptions:
             ))
         return params
 
-    def build(self, values: dict[str, Any]) -> Any:
-        """The config from the parsed options (consumed from ``values``) and ``defaults``."""
-        kwargs = dict(self.defaults)
+    def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Each exposed field's value from the parsed options (consumed from ``values``)."""
+        out = {}
         for f in self.fields():
             value = values.pop(self.param_name(f))
             parse = f.metadata.get(PARSE)
             if _cli_default(f) is not inspect.Parameter.empty and value == _cli_default(f):
-                kwargs[f.name] = _field_default(f)  # untouched: the field's own default, not its text
+                out[f.name] = _field_default(f)  # untouched: the field's own default, not its text
                 continue
             if parse is not None and isinstance(value, str):
                 value = parse(value)
             elif (sequence := _sequence_type(_hint(self.cls, f))) is not None and isinstance(value, str):
                 value = sequence(v.strip() for v in value.split(",") if v.strip())
-            kwargs[f.name] = value
-        return (self.factory or self.cls)(**kwargs)
+            out[f.name] = value
+        return out
+
+    def build(self, values: dict[str, Any]) -> Any:
+        """The config from the parsed options (consumed from ``values``) and ``defaults``."""
+        return (self.factory or self.cls)(**{**self.defaults, **self.resolve(values)})
+
+    def settings(self) -> list[Setting]:
+        """What a config file may set: one key per exposed field, named as its option is."""
+        out = []
+        for f in self.fields():
+            first, *aliases = self.flags(f)
+            out.append(Setting(self.param_name(f), _hint(self.cls, f), (first.split("/")[0], *aliases),
+                               _field_default(f), f.metadata.get(PARSE)))
+        return out
+
+    def names(self, f: dataclasses.Field[Any]) -> set[str]:
+        """How the config's own errors name a field: ``--test-timeout``, its aliases, ``test_timeout``."""
+        aliases = f.metadata.get(ALIASES) or []
+        return {f.name, "--" + f.name.replace("_", "-"), *([aliases] if isinstance(aliases, str) else aliases)}
 
 
 def _hint(cls: type, f: dataclasses.Field[Any]) -> Any:
@@ -146,28 +186,321 @@ def _option_type(f: dataclasses.Field[Any], hint: Any, flags: list[str]) -> Any:
 
 
 def with_configs(**configs: ConfigOptions) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Give a command one option per documented field of each config; call it with the configs built.
+    """Give a command one option per documented field of each config, and ``--config FILE`` /
+    ``--print-config``; call it with the configs built.
 
-    Each keyword names the command's parameter that receives the built config.
+    Each keyword names the command's parameter that receives the built config. The wrapper keeps the
+    command as its ``command`` attribute and calls it through there (a test can stand in for it).
     """
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
                for name, p in inspect.signature(command, eval_str=True).parameters.items() if name not in configs]
         generated = [p for spec in configs.values() for p in spec.parameters()]
-        names = [p.name for p in own + generated]
-        clashes = {n for n in names if names.count(n) > 1}
-        if clashes:
-            raise TypeError(f"{command.__name__}: options defined twice: {', '.join(sorted(clashes))}")
+        settings = [s for spec in configs.values() for s in spec.settings()] + [_own_setting(p) for p in own]
+        for what, names in (("options", [p.name for p in own + generated] + [*FILE_PARAMS, "cli_context"]),
+                            ("config file keys", [s.key for s in settings])):
+            clashes = {n for n in names if names.count(n) > 1}
+            if clashes:
+                raise TypeError(f"{command.__name__}: {what} defined twice: {', '.join(sorted(clashes))}")
+
+        def load(ctx: typer.Context, path: Path | None) -> Path | None:
+            if path is not None and not ctx.resilient_parsing:
+                given = read_config(path, settings, ctx.command_path)
+                # click takes each value as a default of its option: the command line beats it, and a
+                # required option it gives is no longer missing
+                ctx.default_map = {**(ctx.default_map or {}),
+                                   **{p: value for p, (_, value) in given.items() if value is not None}}
+                ctx.meta[_LOADED] = (path, {p: raw for p, (raw, _) in given.items()})
+            return path
+
+        file_options = [
+            inspect.Parameter("config_file", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+                Path | None, typer.Option("--config", is_eager=True, callback=load, rich_help_panel=PANEL, help=(
+                    "Read options from this YAML or TOML file, one key per option as the option is named "
+                    "(max_turns: 30); options given on the command line override it."))]),
+            inspect.Parameter("print_config", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
+                bool, typer.Option("--print-config", rich_help_panel=PANEL, help=(
+                    "Print every option's value (default, --config file or command line) as a config file "
+                    "and exit without running."))]),
+            inspect.Parameter("print_format", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+                Format | None, typer.Option("--print-format", rich_help_panel=PANEL, help=(
+                    "Format of --print-config (default: the --config file's, else yaml)."))]),
+            inspect.Parameter("cli_context", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
+        ]
 
         @functools.wraps(command)
         def run(**values: Any) -> Any:
-            built = {name: spec.build(values) for name, spec in configs.items()}
-            return command(**values, **built)
+            ctx: typer.Context = values.pop("cli_context")
+            path, printing, fmt = (values.pop(p) for p in FILE_PARAMS)
+            from_file = _values_from_file(ctx, values)
+            if printing:
+                shown = {**{k: v for spec in configs.values() for k, v in _resolved(spec, values).items()},
+                         **{p.name: values[p.name] for p in own}}
+                chosen = [(s, shown[s.param]) for s in settings
+                          if _source(ctx, s.param) != "ENVIRONMENT"]
+                typer.echo(dump_config(chosen, fmt or (_format(path) if path else "yaml"), ctx.command_path), nl=False)
+                return None
+            built = {}
+            for name, spec in configs.items():
+                try:
+                    built[name] = spec.build(values)
+                except LegorlError as exc:
+                    raise _blame(exc, spec, from_file, path) from None
+            return run.command(**values, **built)  # type: ignore[attr-defined]
 
-        run.__signature__ = inspect.Signature(generated + own)  # type: ignore[attr-defined]
-        run.__annotations__ = {p.name: p.annotation for p in generated + own}
+        run.__signature__ = inspect.Signature(generated + own + file_options)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in generated + own + file_options}
         del run.__wrapped__  # typer must see the generated signature, not the command's own
+        run.command = command  # type: ignore[attr-defined]
         return run
 
     return decorate
+
+
+# --------------------------------------------------------------------------- config files
+
+@dataclass(frozen=True)
+class Setting:
+    """One option as a config file gives it: its key is the option's name, ``max_turns`` (or ``max-turns``)."""
+
+    param: str  # the command's parameter (and click's name for it)
+    hint: Any  # the value's type
+    flags: tuple[str, ...]  # the option's names on the command line, its own first
+    default: Any  # inspect.Parameter.empty: required
+    parse: Callable[[str], Any] | None = None
+
+    @property
+    def key(self) -> str:
+        return self.flags[0].removeprefix("--").replace("-", "_") if self.flags else self.param
+
+
+def _own_setting(p: inspect.Parameter) -> Setting:
+    """A command's own option (``--model``, ``--json``) as a config file gives it."""
+    hint, info, default = p.annotation, p.default, p.default
+    decls: tuple[str, ...] = ()
+    if typing.get_origin(hint) is Annotated:
+        hint, info = typing.get_args(hint)[0], typing.get_args(hint)[1]
+        if isinstance(info, typer.models.OptionInfo) and info.default is not ...:
+            decls = (str(info.default),)  # typer.Option("--json") in Annotated: a name, not a default
+    elif isinstance(info, typer.models.ParameterInfo):
+        default = info.default
+    decls += tuple(getattr(info, "param_decls", None) or ())
+    if isinstance(info, typer.models.ArgumentInfo):
+        flags: tuple[str, ...] = ()
+    else:
+        flags = tuple(d.split("/")[0] for d in decls if d.startswith("--")) or ("--" + p.name.replace("_", "-"),)
+    if default is ... or default is inspect.Parameter.empty:
+        default = inspect.Parameter.empty
+    return Setting(p.name, hint, flags, default)
+
+
+def _format(path: Path) -> Format:
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ConfigError(f"{path}: a config file is YAML (.yaml, .yml) or TOML (.toml)")
+    return fmt
+
+
+def read_config(path: Path, settings: list[Setting], command: str) -> dict[str, tuple[Any, Any]]:
+    """The file's values by the command's parameter: each as written, and as its option takes it
+    (:func:`_cli_value`, which checks it as the option would)."""
+    import tomllib
+
+    import yaml
+
+    fmt = _format(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        data = tomllib.loads(text) if fmt == "toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: not valid {fmt.upper()}: {' '.join(str(exc).split())}") from None
+    if data is None:  # an empty YAML file
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of option names to values, got {_shown(data)}")
+    by_key = {s.key: s for s in settings}
+    out: dict[str, tuple[Any, Any]] = {}
+    for key, value in data.items():
+        setting = by_key.get(str(key).replace("-", "_"))
+        if setting is None:
+            raise ConfigError(f"{path}: unknown key {key!r}: {_unknown(str(key), value, settings, command)}")
+        if setting.param in out:
+            raise ConfigError(f"{path}: {setting.key} is given twice")
+        try:
+            out[setting.param] = (value, _cli_value(value, setting))
+        except (LegorlError, ValueError) as exc:  # a parse function's own error, as the option would say it
+            raise ConfigError(f"{path}: {key}: {exc}") from None
+    return out
+
+
+def _unknown(key: str, value: Any, settings: list[Setting], command: str) -> str:
+    """What to write instead of an unknown key."""
+    flag = "--" + key.replace("_", "-")
+    for s in settings:
+        if flag in s.flags[1:]:
+            return f"{flag} is the command-line alias of {s.flags[0]}; the file names it {s.key}"
+    keys = [s.key for s in settings]
+    if isinstance(value, dict):
+        example = next((k for k in keys if k.startswith(key.replace("-", "_") + "_")), keys[0] if keys else "")
+        return f"the file is flat, one key per option, without sections (e.g. {example})"
+    close = difflib.get_close_matches(key.replace("-", "_"), keys, n=1)
+    return f"did you mean {close[0]}?" if close else f"`{command} --print-config` writes every key it takes"
+
+
+def _cli_value(value: Any, s: Setting) -> Any:
+    """A file's value as the option takes it: the text of one that ``parse`` reads or that is a list
+    ("a,b"), else the value itself; a LegorlError says what was expected."""
+    base, optional = _optional(s.hint)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"expected {_expected(base, s)}, got null (it cannot be unset)")
+    if s.parse is not None or _sequence_type(base) is not None:
+        if isinstance(value, list) and all(_is_item(v) for v in value):
+            text = ",".join(str(v) for v in value)
+        elif _is_item(value) or isinstance(value, str):
+            text = str(value)
+        else:
+            raise ConfigError(f"expected {_expected(base, s)}, got {_shown(value)}")
+        if s.parse is not None:
+            s.parse(text)
+        return text
+    if base is bool and isinstance(value, bool):
+        return value
+    if base is int and not isinstance(value, bool | float):
+        with contextlib.suppress(TypeError, ValueError):
+            return int(value)
+    if base is float and not isinstance(value, bool):
+        with contextlib.suppress(TypeError, ValueError):  # PyYAML reads 1e-6 (no dot) as text
+            return float(value)
+    textual = base in (str, Path) or typing.get_origin(base) is Literal
+    if textual and isinstance(value, str) and (base in (str, Path) or value in typing.get_args(base)):
+        return value
+    if not textual and base not in (bool, int, float):
+        return value  # another type a command's own option takes: click checks it
+    # YAML reads an unquoted yes/on as true, 007 as 7
+    quote = " (quote it)" if textual and isinstance(value, bool | int | float) else ""
+    raise ConfigError(f"expected {_expected(base, s)}, got {_shown(value)}{quote}")
+
+
+def _optional(hint: Any) -> tuple[Any, bool]:
+    """``(T, True)`` for ``T | None``, else ``(hint, False)``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) < len(typing.get_args(hint)):
+            return (args[0] if len(args) == 1 else hint), True
+    return hint, False
+
+
+def _is_item(value: Any) -> bool:
+    """One item of a list an option takes as "a,b"."""
+    return isinstance(value, str | int | float) and not isinstance(value, bool) and "," not in str(value)
+
+
+def _expected(base: Any, s: Setting) -> str:
+    if s.parse is not None and _sequence_type(base) is None:
+        return f"text as {s.flags[0] if s.flags else s.param} takes it"
+    if _sequence_type(base) is not None:
+        return "a list (or comma-separated text)"
+    if typing.get_origin(base) is Literal:
+        return "one of " + ", ".join(str(a) for a in typing.get_args(base))
+    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+            Path: "a path (a string)"}.get(base, str(base))
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
+def _source(ctx: typer.Context, param: str) -> str:
+    """Where click took a parameter's value from: COMMANDLINE, ENVIRONMENT, DEFAULT_MAP (here: the config
+    file) or DEFAULT (by name: typer may bring its own copy of click)."""
+    source = ctx.get_parameter_source(param)
+    return source.name if source is not None else "DEFAULT"
+
+
+def _values_from_file(ctx: typer.Context, values: dict[str, Any]) -> dict[str, Any]:
+    """The config file's values the command line left standing, by parameter (``values`` gets its nulls,
+    which click's defaults cannot carry)."""
+    path_raw = ctx.meta.get(_LOADED)
+    if path_raw is None:
+        return {}
+    standing = {}
+    for param, value in path_raw[1].items():
+        source = _source(ctx, param)
+        if source == "DEFAULT_MAP" or (value is None and source == "DEFAULT"):
+            standing[param] = value
+            if value is None:
+                values[param] = None
+    return standing
+
+
+def _resolved(spec: ConfigOptions, values: dict[str, Any]) -> dict[str, Any]:
+    """Each exposed field's value by its parameter, as :meth:`ConfigOptions.build` would take it."""
+    fields = spec.resolve(dict(values))
+    return {spec.param_name(f): fields[f.name] for f in spec.fields()}
+
+
+def _blame(exc: LegorlError, spec: ConfigOptions, from_file: dict[str, Any], path: Path | None) -> LegorlError:
+    """The config's own error, naming the file's keys it is about (those its message names, else all of
+    this config's): the option it names may never have been typed."""
+    mine = {f: from_file[spec.param_name(f)] for f in spec.fields() if spec.param_name(f) in from_file}
+    if not mine:
+        return exc
+    text = str(exc)
+    named = {f: v for f, v in mine.items()
+             if any(re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text) for n in spec.names(f))}
+    given = ", ".join(f"{spec.param_name(f)}: {_shown(v)}" for f, v in (named or mine).items())
+    return ConfigError(f"{text} ({path} sets {given})")
+
+
+def _file_form(value: Any) -> Any:
+    """A value as a config file writes it: a parsed one as the text its ``parse`` reads (``str``)."""
+    if isinstance(value, enum.Enum):
+        return _file_form(value.value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_file_form(v) for v in value]
+    return str(value)
+
+
+def dump_config(chosen: list[tuple[Setting, Any]], fmt: Format, command: str) -> str:
+    """The options as a config file that ``--config`` reads back to the same values."""
+    header = f"# {command} --config FILE: one key per option; options on the command line override them\n"
+    if fmt == "yaml":
+        import yaml
+
+        class Dumper(yaml.SafeDumper):  # one option per line, as on the command line: a list on its own line
+            pass
+
+        Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+        return header + yaml.dump({s.key: _file_form(v) for s, v in chosen}, Dumper=Dumper, sort_keys=False,
+                                  default_flow_style=False, allow_unicode=True, width=1 << 16)
+    lines = [header.rstrip("\n")]
+    for s, value in chosen:
+        if value is None:
+            if s.default is not None:
+                raise ConfigError(f"{s.key} is unset (null), which TOML cannot write and its default "
+                                  f"({_shown(_file_form(s.default))}) is not: print YAML (--print-format yaml)")
+            lines.append(f"# {s.key}: unset")
+        else:
+            lines.append(f"{s.key} = {_toml(_file_form(value))}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    # TOML's basic strings escape as JSON does, save DEL, which TOML refuses raw
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")

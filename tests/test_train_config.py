@@ -96,7 +96,7 @@ def test_cli_fields_are_documented_once_and_are_legorl_trains_options() -> None:
 
     command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
     options = {p.opts[0]: p.default for p in command.params}
-    own = {"--run", "--model", "--out", "--step", "--resume", "--json"}
+    own = {"--run", "--model", "--out", "--step", "--resume", "--json", "--config", "--print-config", "--print-format"}
     # a bool's first flag is "--x/--no-x"; click's first option name is "--x"
     assert set(options) - own == {spec.flags(f)[0].split("/")[0] for f in spec.fields()}
     assert spec.flags(documented["skip_zero_advantage"])[0] == "--skip-zero-advantage/--no-skip-zero-advantage"
