@@ -8,10 +8,12 @@ from typing import Annotated
 import typer
 
 from legorl.cli.common import console, fail
+from legorl.cli.options import with_configs
 
 
 def register(app: typer.Typer) -> None:
     @app.command("dashboard")
+    @with_configs()
     def dashboard_command(
         run: Annotated[Path, typer.Argument(help="Run directory to show.")],
         port: Annotated[int, typer.Option("--port", help="Port to serve on.")] = 8765,

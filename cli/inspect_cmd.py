@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from legorl.cli.common import JsonOption, console, print_json
+from legorl.cli.options import with_configs
 
 
 def _value(value: Any) -> str:
@@ -72,6 +73,7 @@ def _health(path: Path, summary: dict[str, Any]) -> dict[str, Any] | None:
 
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
+    @with_configs()
     def inspect_command(
         path: Annotated[Path, typer.Argument(help="A run directory or one dataset folder.")],
         json_output: JsonOption = False,

@@ -269,6 +269,7 @@ class Setting:
     flags: tuple[str, ...]  # the option's names on the command line, its own first
     default: Any  # inspect.Parameter.empty: required
     parse: Callable[[str], Any] | None = None
+    repeated: bool = False  # a command's own list option, given once per item (``--compare a --compare b``)
 
     @property
     def key(self) -> str:
@@ -292,7 +293,7 @@ def _own_setting(p: inspect.Parameter) -> Setting:
         flags = tuple(d.split("/")[0] for d in decls if d.startswith("--")) or ("--" + p.name.replace("_", "-"),)
     if default is ... or default is inspect.Parameter.empty:
         default = inspect.Parameter.empty
-    return Setting(p.name, hint, flags, default)
+    return Setting(p.name, hint, flags, default, repeated=_sequence_type(hint) is not None)
 
 
 def _format(path: Path) -> Format:
@@ -359,6 +360,11 @@ def _cli_value(value: Any, s: Setting) -> Any:
         if optional:
             return None
         raise ConfigError(f"expected {_expected(base, s)}, got null (it cannot be unset)")
+    if s.repeated:
+        items = value if isinstance(value, list) else [value]
+        if not all(_is_item(v) or isinstance(v, str) for v in items):
+            raise ConfigError(f"expected {_expected(base, s)}, got {_shown(value)}")
+        return [str(v) for v in items]
     if s.parse is not None or _sequence_type(base) is not None:
         if isinstance(value, list) and all(_is_item(v) for v in value):
             text = ",".join(str(v) for v in value)

