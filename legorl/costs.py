@@ -4,17 +4,22 @@
 every trial row): derived from its calls and attempts, plus the one figure nothing else records,
 the seconds its sandboxes lived. :func:`cost_table` sums it per step and harness for ``legorl
 eval``'s report and the dashboard; rows written before costs were recorded get theirs derived
-(without sandbox seconds).
+(without sandbox seconds). :func:`fork_cost` is what a trial's segments cost a trainer against what
+the policy sampled: a harness that rewrites its history forks the trial into segments repeating the
+same prompt.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from legorl.schemas import Call, TrialCost
+import numpy as np
+
+from legorl.schemas import Call, Segment, TrialCost
 
 ALL = "all"  # the harness of a cost row over every harness (as legorl.monitor.stats.ALL)
 
@@ -46,6 +51,51 @@ def cost_of(row: Any) -> TrialCost:
     if isinstance(cost, Mapping):
         return TrialCost.from_dict(dict(cost))
     return trial_cost(_get(row, "calls") or [], _get(row, "attempts") or 1, None)
+
+
+@dataclass(frozen=True)
+class ForkCost:
+    """A trial's segment tokens (what a trainer's forward pass reads) against its sampled tokens (what it
+    learns from), and how many segment tokens repeat a prefix of an earlier segment of the trial (what
+    prefix sharing in packing can save: :mod:`legorl.training.packing`)."""
+
+    segments: int
+    segment_tokens: int
+    sampled_tokens: int
+    shared_tokens: int
+
+    @property
+    def tokens_per_sampled(self) -> float | None:
+        return round(self.segment_tokens / self.sampled_tokens, 2) if self.sampled_tokens else None
+
+    @property
+    def shared_share(self) -> float | None:
+        return round(self.shared_tokens / self.segment_tokens, 4) if self.segment_tokens else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"segments": self.segments, "segment_tokens": self.segment_tokens,
+                "sampled_tokens": self.sampled_tokens, "shared_tokens": self.shared_tokens,
+                "tokens_per_sampled": self.tokens_per_sampled, "shared_share": self.shared_share}
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differs = np.flatnonzero(a[:n] != b[:n])
+    return int(differs[0]) if len(differs) else n
+
+
+def fork_cost(token_ids: Sequence[Sequence[int] | np.ndarray], sampled_tokens: int) -> ForkCost:
+    """The :class:`ForkCost` of a trial whose segments hold ``token_ids`` (in order) and whose policy
+    sampled ``sampled_tokens``: a segment's shared tokens are the longest prefix it has in common with
+    any earlier segment (a fork of a fork shares with the fork)."""
+    arrays = [np.asarray(ids, dtype=np.int64) for ids in token_ids]
+    shared = sum(max((_common_prefix(arrays[j], a) for j in range(i)), default=0) for i, a in enumerate(arrays))
+    return ForkCost(len(arrays), sum(len(a) for a in arrays), int(sampled_tokens), shared)
+
+
+def segments_fork_cost(segments: Sequence[Segment]) -> ForkCost:
+    """:func:`fork_cost` of a trial row's segments."""
+    return fork_cost([s.token_ids for s in segments], sum(sum(s.loss_mask) for s in segments))
 
 
 COST_FIELDS = ("sandbox_s", "engine_s", "prompt_tokens", "sampled_tokens", "cached_tokens", "retries")

@@ -9,7 +9,10 @@ The JSON form is for scripts; its keys are stable:
 ``breakdown`` depends on the kind: tasks ``{"repos": {repo: n}, "flaky_tests": {instance_id: {"count": n,
 "names": [test]}}}`` (the tests the task check left out for changing status between runs of one patch;
 only tasks that have any); rollouts ``{"outcomes",
-"harnesses", "steps", "infra_failures", "sampled_tokens", "segments"}``, plus ``"staleness": {"lag L": share
+"harnesses", "steps", "infra_failures", "sampled_tokens", "segments", "fork_costs"}`` (``fork_costs``: over the
+trials, ``{"segment_tokens_per_sampled", "shared_share", "heaviest": [{"trial_id", "segments",
+"segment_tokens_per_sampled", "shared_share"}]}``, the three trials of most segment tokens per sampled token
+among those with several segments: ``legorl.costs.fork_cost``), plus ``"staleness": {"lag L": share
 of trials}`` when calls record their policy version (``legorl.provenance.lag_shares``); grades ``{"statuses",
 "resolved", "reward_mean", "infra_failures", "suspicious"}``; rollouts and grades add ``"fingerprint_mixes":
 [line]`` when their rows' fingerprints disagree (``legorl.fingerprints.mixes``: two harness versions or configs,
@@ -23,9 +26,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.compute as pc
 
 from legorl import fingerprints, provenance, shards
+from legorl.costs import ForkCost, fork_cost
 from legorl.errors import ShardError
 from legorl.paths import RunDir
 from legorl.schemas import Kind
@@ -73,6 +78,7 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
             "infra_failures": int(pc.sum(t.column("infra_failure")).as_py() or 0),
             "sampled_tokens": sampled,
             "segments": len(flat),
+            "fork_costs": _fork_costs(t),
             **_staleness(t),
             **_mixes(trials=t.select(["harness", "step", "fingerprint"]).to_pylist()),
         }
@@ -98,6 +104,31 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
         ):
             last[key if harness is None else f"{key}[{harness}]"] = value
     return {"steps": len(steps), "keys": len(set(t.column("key").to_pylist())), "last": dict(sorted(last.items()))}
+
+
+def _fork_costs(t: Any, heaviest: int = 3) -> dict[str, Any]:
+    """Segment tokens per sampled token and the shared-prefix share, over the trials and for the heaviest."""
+    per_row = pc.list_value_length(t.column("segments")).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(t.column("segments"))
+    ids = pc.struct_field(flat, "token_ids")
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+    values = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
+    masks = pc.list_flatten(pc.struct_field(flat, "loss_mask")).to_numpy(zero_copy_only=False)  # as long as values
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    costs: list[tuple[str, ForkCost]] = []
+    seg = 0
+    for trial_id, n in zip(t.column("trial_id").to_pylist(), per_row.tolist(), strict=True):
+        spans = list(zip(starts[seg : seg + n].tolist(), ends[seg : seg + n].tolist(), strict=True))
+        seg += n
+        tokens = [values[a:b] for a, b in spans]
+        costs.append((trial_id, fork_cost(tokens, int(sum(int(masks[a:b].sum()) for a, b in spans)))))
+    total = ForkCost(sum(c.segments for _, c in costs), sum(c.segment_tokens for _, c in costs),
+                     sum(c.sampled_tokens for _, c in costs), sum(c.shared_tokens for _, c in costs))
+    forked = sorted((c for c in costs if c[1].segments > 1), key=lambda c: -(c[1].tokens_per_sampled or 0.0))
+    return {"segment_tokens_per_sampled": total.tokens_per_sampled, "shared_share": total.shared_share,
+            "heaviest": [{"trial_id": trial_id, "segments": c.segments, "segment_tokens_per_sampled": c.tokens_per_sampled,
+                          "shared_share": c.shared_share} for trial_id, c in forked[:heaviest]]}
 
 
 def _flaky(t: Any) -> dict[str, Any]:

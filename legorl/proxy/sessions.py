@@ -16,21 +16,30 @@ How a request is placed (``Session.plan``):
 2. **Fork.** Otherwise a new segment starts from a fresh render of the full prompt (so sampled
    text that now sits inside a rewritten prompt has mask 0 there; the earlier segment is kept).
    Its reason:
-   - ``main``: the session's first request, or the first one with tools after only tool-less ones;
-   - ``rewrite``: shares the first message (system prompt) and the tools with an existing segment
-     (compaction, edited tool results, injected reminders, a retried request); ``parent`` is that
-     segment;
-   - ``subagent``: has tools but a different system prompt or tool set;
-   - ``auxiliary``: no tools (title generation, summaries).
+   - ``rewrite``: the same agent as an earlier non-auxiliary segment — the same first message (system
+     prompt, up to volatile lines: :func:`same_prompt`) and the same tool names (compaction, edited
+     tool results, injected reminders, a retried request); ``parent`` is the latest such segment;
+   - ``main``: the session's first request with tools (a session that never sends tools: its first
+     request). Tool-less segments before it (a title call as the very first request) become
+     ``auxiliary`` then;
+   - ``subagent``: has tools but another system prompt or tool set; ``parent`` is the latest segment
+     waiting on a tool call (the one that started it), if any;
+   - ``auxiliary``: no tools in a session that uses tools (title generation, summaries).
+
+A harness's system prompt may change between calls of the same agent in lines that carry no
+meaning for the policy's job (Claude Code's billing header with a per-call hash, a date, a counter):
+such lines must not turn the agent's own compaction into a sub-agent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +62,49 @@ def new_session_id() -> str:
 
 def tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
     return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False)
+
+
+def tool_names(tools: Sequence[dict[str, Any]] | None) -> frozenset[str]:
+    """The names of a request's tools (OpenAI ``function.name`` or a plain ``name``)."""
+    return frozenset(str((t.get("function") or t).get("name")) for t in tools or [])
+
+
+# A run of hex digits holding at least one decimal digit: numbers, dates, times, versions, hashes, ids.
+_VOLATILE = re.compile(r"[0-9A-Fa-f]*[0-9][0-9A-Fa-f]*")
+# Two prompts are still one agent's when only a few lines (at most VOLATILE_LINES on each side, at most
+# VOLATILE_SHARE of their characters) differ beyond numbers and hashes: a per-call header or status line
+# in a prompt of thousands of characters.
+VOLATILE_LINES = 2
+VOLATILE_SHARE = 0.05
+
+
+def _prompt_lines(message: Message | None) -> tuple[str, list[str]]:
+    if message is None:
+        return "", []
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
+    return str(message.get("role")), [_VOLATILE.sub("#", line) for line in str(content or "").splitlines()]
+
+
+def same_prompt(a: Message | None, b: Message | None) -> bool:
+    """Whether two first messages are one agent's prompt: the same role and lines, numbers and hashes
+    aside, but for a few short lines (:data:`VOLATILE_LINES`, :data:`VOLATILE_SHARE`)."""
+    if a == b:
+        return True
+    role_a, lines_a = _prompt_lines(a)
+    role_b, lines_b = _prompt_lines(b)
+    if role_a != role_b:
+        return False
+    if lines_a == lines_b:
+        return True
+    diff = Counter(lines_a)
+    diff.subtract(Counter(lines_b))
+    only_a = sum(n for n in diff.values() if n > 0)
+    only_b = -sum(n for n in diff.values() if n < 0)
+    changed = sum((len(line) + 1) * abs(n) for line, n in diff.items() if n)
+    total = sum(len(line) + 1 for line in lines_a) + sum(len(line) + 1 for line in lines_b)
+    return max(only_a, only_b) <= VOLATILE_LINES and changed <= VOLATILE_SHARE * total
 
 
 def _calls_signature(msg: Message) -> list[tuple[Any, Any]]:
@@ -277,18 +329,31 @@ class Session:
 
     def _classify(self, messages: list[Message], tools: list[dict[str, Any]] | None,
                   key: str) -> tuple[str, int | None]:
-        if not self.segments:
-            return SegmentReason.MAIN, None
+        """The reason (and parent) of a new segment: see the module docstring."""
         first = messages[0] if messages else None
+        names = tool_names(tools)
+        with_tools = any(s.tools for s in self.segments)
         for idx in range(len(self.segments) - 1, -1, -1):
             seg = self.segments[idx]
-            if seg.tools_key == key and seg.first_message == first and seg.reason != SegmentReason.AUXILIARY:
+            if seg.reason == SegmentReason.AUXILIARY or (with_tools and not seg.tools):
+                continue  # a tool-less segment of a session with tools is auxiliary, or about to be
+            if (seg.tools_key == key or tool_names(seg.tools) == names) and same_prompt(seg.first_message, first):
                 return SegmentReason.REWRITE, idx
-        if not tools:
+        if tools:
+            if not with_tools:
+                return SegmentReason.MAIN, None
+            return SegmentReason.SUBAGENT, self._waiting_on_a_tool()
+        if with_tools or self.segments:
             return SegmentReason.AUXILIARY, None
-        if not any(s.tools for s in self.segments):
-            return SegmentReason.MAIN, None
-        return SegmentReason.SUBAGENT, None
+        return SegmentReason.MAIN, None  # a session without tools so far: its first request
+
+    def _waiting_on_a_tool(self) -> int | None:
+        """The latest agent segment whose last turn is a tool call not answered yet (a sub-agent's caller)."""
+        for idx in range(len(self.segments) - 1, -1, -1):
+            seg = self.segments[idx]
+            if seg.tools and seg.reason != SegmentReason.AUXILIARY and seg.messages and seg.messages[-1].get("tool_calls"):
+                return idx
+        return None
 
     # ------------------------------------------------------------------ recording
 
@@ -298,6 +363,9 @@ class Session:
         sampled_turns = {*plan.sampled_turns, len(messages) - 1}
         with self._mu:
             if plan.segment is None:
+                if plan.reason == SegmentReason.MAIN and plan.tools:
+                    for earlier in self.segments:  # what came before the first request with tools
+                        earlier.reason, earlier.parent = SegmentReason.AUXILIARY, None
                 seg = _SegmentState(
                     reason=plan.reason, parent=plan.parent, tools=plan.tools, tools_key=tools_key(plan.tools),
                     first_message=plan.messages[0] if plan.messages else None,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
 
 import torch
 
@@ -60,30 +62,67 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor, ra: torch.Tensor | None, rb
     return int(differs[0, 0]) if differs.numel() else n
 
 
+def _order_key(ids: torch.Tensor, routing: torch.Tensor | None) -> list[Any]:
+    """A row as a sequence that sorts lexicographically by its tokens (and their routing, for MoE)."""
+    if routing is None:
+        return ids.tolist()
+    flat = routing.reshape(routing.shape[0], -1).numpy()
+    return list(zip(ids.tolist(), (r.tobytes() for r in flat), strict=True))
+
+
+def _best_runs(
+    rows: Sequence[torch.Tensor], routing: Sequence[torch.Tensor | None], members: list[int], min_shared: int,
+) -> list[tuple[int, list[int]]]:
+    """One key's rows split into the documents that recompute the fewest tokens.
+
+    A set of rows shares the prefix common to all of them; in lexicographic order that is the least
+    common prefix of neighbours between its first and last row, and a row in between only adds to
+    what is shared, so the best split is into runs of that order. A run of ``m`` rows sharing ``p``
+    tokens saves ``(m - 1) * p``; dynamic programming over the run boundaries finds the best split (a
+    sub-agent whose prompt shares only a header with the main agent's stays apart, and the main
+    agent's forks keep their long prefix)."""
+    order = sorted(members, key=lambda i: _order_key(rows[i], routing[i]))
+    n = len(order)
+    adjacent = [_common_prefix(rows[a], rows[b], routing[a], routing[b]) for a, b in pairwise(order)]
+    best = [0] * (n + 1)  # best[e]: tokens saved by the best split of order[:e]
+    cut = [0] * (n + 1)  # where the last run of that split starts
+    for e in range(1, n + 1):
+        best[e], cut[e] = best[e - 1], e - 1  # order[e - 1] alone
+        shared = None
+        for s in range(e - 2, -1, -1):  # the run order[s:e]
+            shared = adjacent[s] if shared is None else min(shared, adjacent[s])
+            if shared < min_shared:
+                break
+            if best[s] + (e - s - 1) * shared > best[e]:
+                best[e], cut[e] = best[s] + (e - s - 1) * shared, s
+    runs: list[tuple[int, list[int]]] = []
+    e = n
+    while e > 0:
+        s = cut[e]
+        run = sorted(order[s:e])
+        runs.append((min(adjacent[s : e - 1]) if e - s > 1 else int(rows[run[0]].shape[0]), run))
+        e = s
+    return runs
+
+
 def fork_clusters(
     rows: Sequence[torch.Tensor], keys: Sequence[int] | None, routing: Sequence[torch.Tensor | None],
     min_shared: int = MIN_SHARED_PREFIX,
 ) -> list[tuple[int, list[int]]]:
-    """``(shared prefix length, member rows)`` per document, in first-row order: rows with the same
-    key (trial) join the first document whose prefix they share for at least ``min_shared`` tokens."""
+    """``(shared prefix length, member rows)`` per document, in first-row order: the rows of one key
+    (trial) split into the documents that save the most recomputed tokens (:func:`_best_runs`), each
+    sharing at least ``min_shared`` tokens; a row alone (or of no key) shares its whole length."""
     clusters: list[tuple[int, list[int]]] = []
-    open_by_key: dict[int, list[int]] = {}  # key -> indices into clusters
+    by_key: dict[int, list[int]] = {}
     for i, ids in enumerate(rows):
         key = None if keys is None else keys[i]
-        placed = False
-        for c in open_by_key.get(key, []) if key is not None else []:
-            shared, members = clusters[c]
-            first = members[0]
-            common = min(shared, _common_prefix(rows[first], ids, routing[first], routing[i]))
-            if common >= min_shared:
-                clusters[c] = (common, [*members, i])
-                placed = True
-                break
-        if not placed:
-            if key is not None:
-                open_by_key.setdefault(key, []).append(len(clusters))
+        if key is None:
             clusters.append((int(ids.shape[0]), [i]))
-    return clusters
+        else:
+            by_key.setdefault(key, []).append(i)
+    for members in by_key.values():
+        clusters.extend(_best_runs(rows, routing, members, min_shared))
+    return sorted(clusters, key=lambda c: c[1][0])
 
 
 def pack(

@@ -422,6 +422,9 @@ function renderViewer(d) {
     ["time", `total ${fmt(t.total_s)} s · agent ${fmt(t.agent_s)} s · model ${fmt(t.model_s)} s · sandbox ${fmt(t.sandbox_s)} s`],
     ["cost", d.cost ? `sandboxes ${fmt(d.cost.sandbox_s)} s · engine ${fmt(d.cost.engine_s)} s · ${d.cost.prompt_tokens} prompt ` +
       `(${d.cost.cached_tokens} cached) · ${d.cost.sampled_tokens} sampled tokens · ${d.cost.retries} retries` : "—"],
+    ["forks", d.fork_cost && d.fork_cost.segments ? `${d.fork_cost.segments} segments · ${d.fork_cost.segment_tokens} segment tokens ` +
+      `for ${d.fork_cost.sampled_tokens} sampled (${fmt(d.fork_cost.tokens_per_sampled)}× per sampled token) · ` +
+      `${fmt(d.fork_cost.shared_share === null ? null : 100 * d.fork_cost.shared_share)} % a prefix shared with an earlier segment` : "—"],
     ["made by", d.fingerprint ? esc(`${d.fingerprint.harness} ${d.fingerprint.harness_version || "?"} · config ` +
       `${d.fingerprint.harness_config || "?"} · legorl ${d.fingerprint.legorl_version || "?"} · model ${d.fingerprint.model_revision || "?"}`) : "—"],
   ]);
