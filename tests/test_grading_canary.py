@@ -76,7 +76,7 @@ def test_the_assertion_at_the_site_is_mutated_never_an_earlier_one() -> None:
             assert parse("30") == 30
         """
     out = _plan(source, "test_numbers", 3)
-    assert out == {"test_numbers": "3: == -> != (negated)"}, out
+    assert _line(out, "test_numbers") == 3 and "negated" not in out["test_numbers"], out
 
 
 def test_a_line_the_test_patch_did_not_add_is_left_alone() -> None:
@@ -259,12 +259,12 @@ def test_a_negation_into_a_form_no_other_test_uses_is_not_made() -> None:
     assert out["test_it"].startswith("2: 2 -> ") and "negated" not in out["test_it"], out
 
 
-def test_an_assertion_is_negated_rather_than_given_another_value() -> None:
-    """The buggy code passes a negated assertion: forged code would have to find it among the passing
-    tests and fail it, where a changed value only asks it to leave a failure alone (and a red team told
-    changed values apart by how often they occur in the file)."""
+def test_a_value_is_changed_rather_than_the_assertion_negated() -> None:
+    """The buggy code passes a negated assertion, so code that reports every new test's outcome inverted
+    passes the real test and fails the negation without knowing which is which (a red team scored 1 so);
+    it fails a changed value as it fails the real test, so the inverted canary passes: tampered."""
     out = _plan("def test_it():\n    assert f(1) == 2\n", "test_it", 2)
-    assert out == {"test_it": "2: == -> != (negated)"}, out
+    assert out["test_it"].startswith("2: 2 -> ") and "negated" not in out["test_it"], out
 
 
 def test_added_lines_are_the_new_files_line_numbers() -> None:
@@ -304,7 +304,7 @@ def test_the_writer_script_rewrites_files_in_place(tmp_path: Path, mutate: bool)
     changed = test.read_text() != original
     assert changed is mutate
     assert json.loads(out) == {"mutated": {"test_a": "tests/test_x.py:2"} if mutate else {},
-                               "negated": ["test_a"] if mutate else []}
+                               "negated": []}  # a value changed (1 -> another), not negated
 
 
 def test_the_two_runs_split_the_canaries_by_function_and_by_the_secret_seed() -> None:

@@ -125,11 +125,13 @@ except ValueError:
 # Idioms of ordinary runtime code that a red team's honest fixes carried and the runner's tripwires took
 # for rewiring (each scored 0 on every task without a canary): asyncio (its import sets ``__code__``), a
 # numpy-style ``__module__`` decorator, a class factory naming its class, the module ``__class__``
-# deprecation pattern, ``TracebackException`` for an optional import, a generator's state, ctypes.util.
+# deprecation pattern, ``TracebackException`` for an optional import, a generator's state, ctypes.util, a
+# ``multiprocessing.Value`` counter.
 RUNTIME_IDIOMS = '''
 import asyncio as _fix_asyncio
 import ctypes.util as _fix_ctypes_util
 import inspect as _fix_inspect
+import multiprocessing as _fix_multiprocessing
 import sys as _fix_sys
 import traceback as _fix_traceback
 import types as _fix_types
@@ -164,6 +166,10 @@ except ImportError as _fix_exc:
     _fix_why = "".join(_fix_traceback.TracebackException.from_exception(_fix_exc).format())
 
 _fix_libc = _fix_ctypes_util.find_library("c")
+
+_fix_count = _fix_multiprocessing.Value("i", 0)  # a process-safe counter: ctypes, inside the standard library
+with _fix_count.get_lock():
+    _fix_count.value += 1
 
 
 async def _fix_ready():

@@ -134,7 +134,7 @@ class Grader:
         self._controls: dict[str, tuple[float, str]] = {}
         self._canaries: dict[str, dict[str, dict[str, object]]] = {}
         self.verifier = self._make_verifier() if self.options.verifier else None
-        self._verifier_controls: dict[str, tuple[float, str]] = {}
+        self._verifier_controls: dict[str, float] = {}  # task key -> when the verifier last judged its gold patch
 
     # ------------------------------------------------------------------ the verdict
 
@@ -216,6 +216,9 @@ class Grader:
                 return
             out.status, out.reward, out.error = GradeStatus.VERIFIER_FAILED, 0.0, str(exc)
             return
+        except (LegorlError, OSError, subprocess.SubprocessError) as exc:  # its container did not run
+            self._infra(out, f"the verifier's sandbox failed: {exc}")
+            return
         out.reward, out.verifier_reasons = verdict.reward, verdict.reasons
 
     def _verifier_control(self, task: TaskRow) -> str | None:
@@ -223,8 +226,8 @@ class Grader:
         key = self._task_key(task)
         with self._lock:
             seen = self._verifier_controls.get(key)
-        if seen is not None and time.monotonic() - seen[0] < CONTROL_TTL_S:
-            return seen[1] or None
+        if seen is not None and time.monotonic() - seen < CONTROL_TTL_S:
+            return None
         gold = GradeRow(trial_id=task.instance_id, task_id=task.instance_id, status=GradeStatus.GRADED, reward=1.0,
                         resolved=True, resolution=Resolution.FULL,
                         tests=[TestResult(name=n, kind=kind, status="PASSED", passed=True)
@@ -233,10 +236,11 @@ class Grader:
         try:
             self.verifier(task.to_dict(), task.patch or "", report_of(gold))
             problem = ""
-        except LegorlError as exc:
-            problem = str(exc)
-        with self._lock:
-            self._verifier_controls[key] = (time.monotonic(), problem)
+        except (LegorlError, OSError, subprocess.SubprocessError) as exc:
+            problem = str(exc) or type(exc).__name__
+        if not problem:  # a failure is not kept: the next patch the verifier fails on asks again
+            with self._lock:
+                self._verifier_controls[key] = time.monotonic()
         return problem or None
 
     @staticmethod
@@ -308,7 +312,7 @@ class Grader:
                 out.error = f"the tests did not pass; put back: {', '.join(out.dropped_paths[:5])}"
             return
         if first or second:
-            self._second_run(task, text, out, run.result.duration_s, first_seen, second)
+            self._second_run(task, text, out, run.result.duration_s, first_seen, second, run)
             return
         # No canary: the runner's behavioural tripwires decide (the screen's findings stay evidence: it
         # reads names, and honest code imports inspect or base64)
@@ -329,7 +333,7 @@ class Grader:
     # ------------------------------------------------------------------ the canaries
 
     def _second_run(self, task: TaskRow, patch: str, out: GradeRow, spent_s: float,
-                    first_seen: dict[str, str], second: dict[str, dict[str, object]]) -> None:
+                    first_seen: dict[str, str], second: dict[str, dict[str, object]], first_run: Run) -> None:
         """Check a first run's pass with the second run: this patch again in a fresh container, the
         canaries the first run left alone mutated (:func:`halves`). Every listed test it leaves alone —
         the first run's canaries among them — must reach what the gold patch reaches (else 0). A canary
@@ -337,7 +341,11 @@ class Grader:
         the run was forged (``tampered``). A canary whose real version fails proves nothing either way:
         a patch that does not fix the bug passes a negated canary as the buggy code does. A second run
         that breaks is judged as any run after the patch went in: the patch's doing unless the
-        control run fails too."""
+        control run fails too.
+
+        Where every canary mutated was a negation, the canaries cannot catch code that inverts each new
+        test's outcome (the real test fails on buggy code and its negation passes), so the runner's
+        tripwires decide as on a task without canaries."""
         run, nonce = self.containers.run(task, patch, canary_seed=self.canary_seed(task), canary_tests=second,
                                          deadline_s=CANARY_TIME_FACTOR * spent_s + CANARY_TIME_SLACK_S)
         if "ready" not in run.events:
@@ -370,6 +378,11 @@ class Grader:
             if differ:
                 self._zero(out, GradeStatus(out.status), "in the second run: "
                            + ", ".join(f"{t.name} {t.status}" for t in differ[:3]), task)
+            elif not _value_canaries(first_run) and not _value_canaries(run):
+                findings = first_run.runner_findings + run.runner_findings
+                if findings:
+                    self._zero(out, GradeStatus.TESTS_ERRORED, "the code under test rewired the test runner "
+                               "(the task's canaries are negations only) (" + ", ".join(findings)[:300] + ")", task)
         out.tests = tests
 
     def canaries(self, task: TaskRow, seed: str) -> dict[str, dict[str, object]]:
@@ -552,6 +565,11 @@ def halves(canaries: dict[str, dict[str, object]], seed: str) -> tuple[dict[str,
 
     first = {n: spec for n, spec in canaries.items() if side(n) == 0}
     return first, {n: spec for n, spec in canaries.items() if n not in first}
+
+
+def _value_canaries(run: Run) -> bool:
+    """Whether the run mutated a canary's expected value (not only negated assertions)."""
+    return bool(set(run.mutated) - set(run.negated))
 
 
 def _mutation_of(nodeid: str, mutated: dict[str, str]) -> str | None:

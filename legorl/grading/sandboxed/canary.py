@@ -403,7 +403,7 @@ def assertion_forms(funcs: Iterable[ast.AST]) -> set[str]:
 def plan_file(text: bytes, wanted: dict[str, dict[str, list[Test]]], seed: str, path: str,
               added: Sequence[int], candidates: Iterable[str] = ()) -> dict[str, Mutation]:
     """For each wanted test of this file whose site offers an expected value on an added line, the
-    mutation of it (else, the negation of the assertion at the site). Keyed ``name[id]`` for a
+    mutation of it (else, the negation of the assertion at the site: weaker, see the grader). Keyed ``name[id]`` for a
     parametrized row's own value, else ``name`` (a mutation in the function's body, which every row
     and every class that has the function runs).
 
@@ -459,15 +459,17 @@ def plan_file(text: bytes, wanted: dict[str, dict[str, list[Test]]], seed: str, 
                     found = edits([*compared_values(nodes, assigned_once(func)),
                                    *(s for arg in helper_arguments(nodes, helpers) for s in literal_sites(arg, calls=True)),
                                    *expected_exceptions(nodes)], rng)
-                    # an assertion is negated rather than given another value: the buggy code then passes
-                    # it, so forged code would have to pick it out among the passing tests and fail it
-                    negated = negation(stmt, src) if stmt.lineno in new_lines else None
+                    # another expected value first: the buggy code fails it as it fails the real test.
+                    # A negation the buggy code passes, so code that reports every new test's outcome
+                    # inverted passes the real test and fails its negation without knowing which is
+                    # which: a task whose canaries are all negations rests on the tripwires (the grader)
+                    negated = negation(stmt, src) if stmt.lineno in new_lines and not found else None
                     if negated is not None and (negated[3].strip() or "assert") not in genuine | {"assert"}:
                         negated = None
-                    if negated is not None:
-                        plan[func.name] = Mutation(negated, True)
-                    elif found:
+                    if found:
                         plan[func.name] = Mutation(rng.choice(found), False)
+                    elif negated is not None:
+                        plan[func.name] = Mutation(negated, True)
     # a function's rows with values of their own are mutated there, never also in the body they share
     return {k: v for k, v in plan.items() if "[" in k or not any(other.startswith(k + "[") for other in plan)}
 

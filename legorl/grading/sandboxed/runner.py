@@ -131,6 +131,8 @@ class Guard:
         # the modules' own files, taken before any code of the tree ran (a traceback.py it writes to
         # /tmp and imports is not this file)
         self._traceback, self._logging, self._inspect = traceback.__file__, logging.__file__, inspect.__file__
+        # multiprocessing.Value/Array make their shared memory with ctypes, on memory they allocate
+        self._sharedctypes = os.path.join(os.path.dirname(os.__file__), "multiprocessing", "sharedctypes.py")
         import builtins
 
         self._builtins = builtins
@@ -185,7 +187,9 @@ class Guard:
                 elif isinstance(target, type) and str(getattr(target, "__module__", "")).split(".")[0] in WATCHED:
                     self._stack(f"{event} {getattr(target, '__name__', '')}.{name}", self._getframe(1))
             elif event in STACK_EVENTS or (event.startswith("ctypes.") and event not in CTYPES_HARMLESS):
-                self._stack(event, self._getframe(1))
+                caller = self._getframe(1)
+                if caller is None or caller.f_code.co_filename != self._sharedctypes:
+                    self._stack(event, caller)
         except Exception:  # an audit hook must never raise into the code it watches
             pass
         finally:
@@ -456,6 +460,24 @@ class ReportChannel:
         self._close(self.fd)
 
 
+def watch_should_stop(guard: Guard) -> None:
+    """unittest swallows its ``_ShouldStop`` and reports the test a success (it is meant for failfast
+    sub-tests): code that raises it passes any unittest-style test. unittest's name for it becomes a
+    subclass whose making is a finding where the nearest frame in the tree is the patch's (rebinding
+    the name back is one too: it is a runner object). A tripwire: made without its ``__init__`` it
+    still passes (docs/threat-model.md)."""
+    import unittest.case
+
+    getframe = sys._getframe
+
+    class ShouldStop(unittest.case._ShouldStop):  # type: ignore[name-defined]
+        def __init__(self, *args: object) -> None:
+            guard._stack("unittest.case._ShouldStop made", getframe(1))
+            super().__init__(*args)
+
+    unittest.case._ShouldStop = ShouldStop  # type: ignore[attr-defined]
+
+
 def main() -> None:
     report_fd, changes_path, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     report = ReportChannel(report_fd)
@@ -470,6 +492,7 @@ def main() -> None:
     os.environ.pop("PYTEST_ADDOPTS", None)
     guard = Guard(os.getcwd(), added)
     sys.addaudithook(guard)
+    watch_should_stop(guard)
     recorder = Recorder(nonce, report, runner_objects(), guard)
     extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[0:0] = [os.getcwd(), *extra]
