@@ -1,4 +1,4 @@
-"""Each of the four real harnesses runs a trial end to end against the embedded tiny model.
+"""Each real harness (every install recipe) runs a trial end to end against the embedded tiny model.
 
 The model is random, so nothing gets solved: the point is the plumbing — a fresh sandbox, a proxy
 session, the unmodified harness, a trial row whose segments are exactly what the proxy captured,

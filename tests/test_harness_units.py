@@ -132,7 +132,8 @@ def test_host_timeout_kills_the_whole_process_group(tmp_path: Path) -> None:
 
 
 def test_harness_names() -> None:
-    assert set(RECIPES) == {"mini-swe-agent", "openhands", "opencode", "claude-code", "codex"}
+    assert set(RECIPES) == {"mini-swe-agent", "openhands", "terminus-2", "opencode", "claude-code", "codex",
+                            "qwen-code", "pi", "aider"}
     assert set(RECIPES) <= set(HARNESSES)
     assert parse_names("all") == list(RECIPES)
     assert parse_names("opencode, mini-swe-agent") == ["opencode", "mini-swe-agent"]

