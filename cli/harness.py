@@ -1,4 +1,4 @@
-"""`legorl harness install|list`: the five harnesses in isolated, cached, version-pinned installs."""
+"""`legorl harness install|list`: the real harnesses in isolated, cached, version-pinned installs."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ from typing import Annotated
 import typer
 
 from legorl.cli.common import JsonOption, console, print_json
+from legorl.harnesses import REAL
 
 sub = typer.Typer(help="Coding-agent harnesses: install, list.", no_args_is_help=True)
 
 
 @sub.command("install")
 def install_command(
-    name: Annotated[str, typer.Argument(help="mini-swe-agent, openhands, opencode, claude-code, codex, or all.")],
+    name: Annotated[str, typer.Argument(help=(
+        f"Harness name(s), comma-separated: {', '.join(h.name for h in REAL)}, or all (these {len(REAL)}).")
+    )],
     force: Annotated[bool, typer.Option("--force", help="Reinstall even when already installed.")] = False,
     python: Annotated[str | None, typer.Option(
         "--python", help="Interpreter for Python harnesses (OpenHands needs >= 3.12; found automatically).")] = None,

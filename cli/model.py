@@ -53,19 +53,31 @@ def warmup_command(
     minutes: Annotated[float | None, typer.Option(help="Stop after this many minutes even if steps remain.")] = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Train the model briefly on local code and tool-call chats so its distributions are not uniform."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    """Train the model briefly on local code and tool-call chats so its distributions are not uniform.
 
-    from legorl.models import warmup
+    Costs steps x batch-size x seq-len tokens of training: the tiny model does about 0.5-3 k tokens/s on
+    two free CPU cores, so the default 200 steps (410 k tokens) take 2-14 minutes there, and far longer
+    on cores other work shares (there, OMP_NUM_THREADS=1 keeps torch's threads from waiting on each
+    other); progress lines give the time left as it goes, and --minutes caps it.
+    """
+    from legorl.cli.progress import StageBar
+    from legorl.models import model_info, warmup
 
     if not (model_dir / "config.json").exists():
         fail(f"{model_dir}: not a model directory (no config.json); build one with `legorl model init`")
-    with Progress(TextColumn("warmup"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
-                  TimeRemainingColumn(), console=console, disable=json_out) as progress:
-        task = progress.add_task("warmup", total=steps, loss="-")
+    tokens = steps * batch_size * seq_len
+    params = model_info(model_dir).get("parameters")
+    size = f" ({params / 1e6:.1f} M parameters)" if params else ""
+    cap = f", stopping after {minutes:g} min" if minutes else ""
+    if not json_out:
+        console.print(f"warming up {model_dir}{size}: {steps} steps of {batch_size} x {seq_len} tokens "
+                      f"({tokens / 1e3:.0f} k tokens) of local code and tool-call chats{cap}", highlight=False)
+    bar: StageBar[float] = StageBar("warmup", lambda loss: f"loss {loss:.3f}", transient=json_out,
+                                    status=f"loading the model and {tokens / 1e3:.0f} k tokens of local code")
+    with bar:
+        bar.on_start(steps, 0)
         stats = warmup(model_dir, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-                       max_seconds=minutes * 60 if minutes else None,
-                       progress=lambda i, loss: progress.update(task, completed=i, loss=f"{loss:.3f}"))
+                       max_seconds=minutes * 60 if minutes else None, progress=lambda _, loss: bar.on_done(loss))
     if json_out:
         print_json(stats | {"path": str(model_dir)})
         return

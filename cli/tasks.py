@@ -77,20 +77,20 @@ def build_command(
 
 @sub.command("list")
 def list_command(run: RunOption, json_out: JsonOption = False) -> None:
-    """List the tasks of RUN/tasks."""
+    """List the tasks of RUN/tasks, by instance id: the order `rollout --limit N` takes the first N in."""
     from rich.table import Table
 
     from legorl.paths import RunDir
     from legorl.stages.tasks import list_tasks
 
-    tasks = list_tasks(RunDir.at(run).tasks)
+    tasks = sorted(list_tasks(RunDir.at(run).tasks), key=lambda t: t.instance_id)
     if json_out:
         print_json([{"instance_id": t.instance_id, "repo": t.repo, "image": t.image, "FAIL_TO_PASS": len(t.FAIL_TO_PASS),
                      "PASS_TO_PASS": len(t.PASS_TO_PASS)} for t in tasks])
         return
-    table = Table("instance_id", "repo", "F2P", "P2P", "image")
-    for t in tasks:
-        table.add_row(t.instance_id, t.repo or "", str(len(t.FAIL_TO_PASS)), str(len(t.PASS_TO_PASS)),
+    table = Table("#", "instance_id", "repo", "F2P", "P2P", "image")
+    for i, t in enumerate(tasks, 1):
+        table.add_row(str(i), t.instance_id, t.repo or "", str(len(t.FAIL_TO_PASS)), str(len(t.PASS_TO_PASS)),
                       t.image or "(base)")
     console.print(table)
     console.print(f"{len(tasks)} task(s)")

@@ -33,7 +33,7 @@ from typing import Protocol
 from legorl.costs import trial_cost
 from legorl.errors import ConfigError, LegorlError
 from legorl.fingerprints import trial_fingerprint
-from legorl.harnesses import Harness, parse_names
+from legorl.harnesses import HARNESSES, REAL, Harness, parse_names
 from legorl.harnesses import get as get_harness
 from legorl.harnesses.base import KILL_GRACE_S, LOG_NAME, End, HarnessRun, ProxyView, TrialSpec, classify
 from legorl.harnesses.channel import ProxyChannel
@@ -58,8 +58,8 @@ class TrialOptions:
     """How each trial runs, as ``legorl rollout``, ``eval`` and ``loop`` take it (each field an option)."""
 
     harnesses: list[str] = field(metadata={"aliases": ["--harness"], "parse": parse_names, "help": (
-        "Harness name(s), comma-separated: mini-swe-agent, openhands, opencode, claude-code, simple; all = the "
-        "four real ones; a plug-in as package.module:Class.")})
+        f"Harness name(s), comma-separated: {', '.join(HARNESSES)}; all = the {len(REAL)} real ones (every name "
+        "but simple); a plug-in as package.module:Class.")})
     samples: int = field(default=1, metadata={"help": "Trials per task and harness (a group)."})
     concurrency: int = field(default=2, metadata={"help": "Trials at once."})
     limit: int | None = field(default=None, metadata={"help": "Only the first N tasks (by instance id)."})

@@ -120,9 +120,9 @@ class HeldOut:
 
 
 def log(message: str) -> None:
-    from legorl.cli.common import console
+    from legorl.cli.common import log_line
 
-    console.print(f"[{time.strftime('%H:%M:%S')}] {message}", highlight=False)
+    log_line(message)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -148,9 +148,7 @@ def prepare_tasks(cfg: DemoConfig) -> Path:
 
 def prepare_model(cfg: DemoConfig) -> Path:
     """The warmed-up initial policy in ``RUN/model`` (built, or copied from ``cfg.model``)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from legorl.cli.common import console
+    from legorl.cli.progress import StageBar
     from legorl.demo.sft import Confusion, train_format
     from legorl.demo.taskgen import generate
     from legorl.models import init_model
@@ -166,16 +164,12 @@ def prepare_model(cfg: DemoConfig) -> Path:
     tmp = cfg.run / "model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     init_model(tmp, size=cfg.model_size, seed=cfg.seed)
-    with Progress(TextColumn("warm-up"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[status]}"), console=console, transient=True) as bar:
-        task = bar.add_task("", total=cfg.warmup_steps, status="")
-
-        def progress(step: int, loss: float) -> None:
-            bar.update(task, completed=step + 1, status=f"loss {loss:.3f}")
-
+    bar: StageBar[float] = StageBar("warm-up", lambda loss: f"loss {loss:.3f}", transient=True)
+    with bar:
+        bar.on_start(cfg.warmup_steps, 0)
         # Warm-up tasks come from seed 10_000 + seed: never a training or held-out task.
         stats = train_format(tmp, generate(cfg.warmup_tasks, 10_000 + cfg.seed), steps=cfg.warmup_steps,
-                             lr=cfg.warmup_lr, seed=cfg.seed, progress=progress,
+                             lr=cfg.warmup_lr, seed=cfg.seed, progress=lambda _, loss: bar.on_done(loss),
                              confusion=Confusion.pick(cfg.warmup_confused, cfg.warmup_wrong, cfg.seed),
                              fmt=cfg.agent_format())
     tmp.rename(out)

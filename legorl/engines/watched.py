@@ -59,7 +59,7 @@ class WatchedEngine:
         self.max_context = engine.max_context
         self.policy_version = policy_version
         self.in_flight = 0
-        self.tokens = 0
+        self.tokens = 0  # sampled so far, by finished calls and calls in flight alike
         self.failures: list[tuple[float, str]] = []
         self._busy_since: float | None = None
         self._busy = 0.0
@@ -124,16 +124,17 @@ class WatchedEngine:
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
         await self._enter()
-        tokens, error = 0, None
+        error = None
         try:
             async for chunk in self.inner.stream(prompt_ids, params):
-                tokens += len(chunk.token_ids)
+                with self._mu:  # counted as they come: a throughput figure sees calls still generating
+                    self.tokens += len(chunk.token_ids)
                 yield chunk
         except Exception as exc:
             error = exc
             raise
         finally:
-            self._exit(tokens, error)
+            self._exit(0, error)
 
     async def load_weights(self, path: str, version: int | None = None) -> None:
         """Serve the checkpoint at ``path`` from the next call on: waits for the calls in flight to finish
