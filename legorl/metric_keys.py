@@ -68,6 +68,9 @@ ROUTING_EFFECTIVE_FLIP_RATE: Final = "routing/effective_flip_rate"
 SKIPPED: Final = "skipped"
 SKIPPED_BECAUSE: Final = "skipped/"
 SKIP_ZERO_ADVANTAGE: Final = "zero_advantage"
+SKIP_REASONS: Final = {  # what each reason means, for whoever shows a skipped step
+    SKIP_ZERO_ADVANTAGE: "every group's trials scored the same, so every advantage was 0: nothing to learn from",
+}
 TRIALS_SKIPPED: Final = "trials/skipped_zero_advantage"  # trials neither scored nor trained (advantage 0)
 
 # Throughput of the step (stages/train.py: run_train).

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 from monitor_runs import make_run, write_step
-from train_support import stale_run, trained_run
+from train_support import TrialSpec, stale_run, trained_run
+from train_support import make_run as make_train_run
 
 from legorl import metric_keys as mk
 from legorl import shards
@@ -224,3 +225,22 @@ def test_staleness_panel_draws_a_real_training_run(browser: Any, tiny_model: Pat
     with _served_page(browser, unversioned, 16) as page:
         assert page.locator("#panel-staleness").get_attribute("data-state") == "empty"
         assert "records its policy version" in page.locator("#panel-staleness .empty-note").inner_text()
+
+
+def test_a_step_skipped_for_zero_advantage_says_why(browser: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """A real `legorl train` step where every group's trials scored the same makes no update: the
+    fidelity panel says so and why, not "no train/metrics yet"."""
+    from legorl.stages.train import run_train
+    from legorl.training.config import TrainConfig
+
+    specs = [TrialSpec("t1", i, 0.0, harness="mini") for i in range(2)]
+    run = make_train_run(tmp_path / "run", tiny_model, specs)
+    run_train(run.root, tiny_model, None, TrainConfig(learning_rate=1e-4))
+    written = {r.key: r.value for r in shards.read_rows(run.metrics, Kind.METRICS) if r.harness is None}
+    assert written[mk.SKIPPED] == 1.0 and written[mk.SKIPPED_BECAUSE + mk.SKIP_ZERO_ADVANTAGE] == 1.0
+    with _served_page(browser, run.root, 2) as page:
+        assert page.locator("#panel-fidelity").get_attribute("data-state") == "empty"
+        note = page.locator("#panel-fidelity .empty-note").inner_text()
+        assert note.startswith("No fidelity figures: step 0 made no update: every group's trials scored the same"), note
+        assert page.locator(".modebar").count() == 0  # no plotly toolbar over a panel's title
+        _shot(page, "fidelity-skipped-step.png", "#panel-fidelity")

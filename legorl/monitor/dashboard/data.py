@@ -59,6 +59,19 @@ def _by_lag(metrics: dict[str, dict[str, dict[str, list[Any]]]], prefix: str) ->
     return dict(sorted(found.items(), key=lambda kv: int(kv[0])))
 
 
+def _skipped_steps(metrics: dict[str, dict[str, dict[str, list[Any]]]]) -> dict[int, list[str]]:
+    """Steps the trainer made no update at, with the reasons it wrote (``skipped/<reason>`` = 1)."""
+    out: dict[int, list[str]] = {}
+    for key, per in metrics.items():
+        if not key.startswith(mk.SKIPPED_BECAUSE):
+            continue
+        for series in per.values():
+            for step, value in zip(series["steps"], series["values"], strict=True):
+                if value == 1.0 and key.removeprefix(mk.SKIPPED_BECAUSE) not in out.setdefault(step, []):
+                    out[step].append(key.removeprefix(mk.SKIPPED_BECAUSE))
+    return dict(sorted(out.items()))
+
+
 def overview(snap: Snapshot) -> dict[str, Any]:
     """Everything the panels plot, for one run."""
     metrics = stats.metric_series(snap)
@@ -77,6 +90,8 @@ def overview(snap: Snapshot) -> dict[str, Any]:
         "zero_variance_metric": metrics.get(mk.ZERO_VARIANCE_SHARE),
         "fidelity": fidelity,
         "fidelity_help": {k: mk.FIDELITY_PANEL[k] for k in fidelity},
+        "skipped": _skipped_steps(metrics),  # steps with no update, and why (their figures are not fidelity)
+        "skip_reasons": mk.SKIP_REASONS,
         "staleness": {**stats.token_lags_by_step(snap), "ess": ess_by_lag},  # token lags from the rollouts
         "other_metrics": others,
         "behaviour": _behaviour_series(snap),

@@ -23,7 +23,8 @@ const CATEGORY_COLORS = {
   "infra: grade": "#f08a86",
 };
 const PALETTE = ["#3366cc", "#dc7a2c", "#2e9d5b", "#9a4fc4", "#d0413c", "#1aa3a3", "#8a6d3b", "#e377c2"];
-const PLOT_CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+// No toolbar: it sat over the panels' titles and a colour bar (drag still zooms, a double click resets).
+const PLOT_CONFIG = { displaylogo: false, responsive: true, displayModeBar: false };
 
 // ------------------------------------------------------------------ helpers
 
@@ -172,9 +173,23 @@ function smallMultiples(containerId, entries, titleOf) {
   }
 }
 
+function skippedText(ov) {
+  // "step 0 made no update: <why>" per skipped step, or "" when every step trained.
+  return Object.entries(ov.skipped || {}).map(([step, reasons]) =>
+    `step ${step} made no update: ${reasons.map((r) => (ov.skip_reasons || {})[r] || r).join("; ")}`).join(". ");
+}
+
 function renderFidelity(ov) {
   const entries = Object.entries(ov.fidelity);
-  setPanel("panel-fidelity", entries.length > 0, "No train/metrics yet (fidelity figures come from the trainer).");
+  const skipped = skippedText(ov);
+  setPanel("panel-fidelity", entries.length > 0, skipped ? `No fidelity figures: ${skipped}.`
+    : "No train/metrics yet (fidelity figures come from the trainer).");
+  const panel = $("panel-fidelity");
+  let note = panel.querySelector(":scope > .skipped-note");
+  if (entries.length > 0 && skipped) {
+    if (!note) { note = document.createElement("p"); note.className = "skipped-note empty-note"; panel.appendChild(note); }
+    note.textContent = `${skipped}.`;
+  } else if (note) note.remove();
   smallMultiples("fidelity-charts", entries, (k) => k);
   for (const [k] of entries) { const d = $(`sm-fidelity-charts-${k}`); if (d) d.title = ov.fidelity_help[k] || k; }
 }
