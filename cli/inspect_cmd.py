@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -34,11 +35,10 @@ def _breakdown(d: dict[str, Any]) -> str:
 
 
 def _render(summary: dict[str, Any]) -> None:
-    """A narrow table (one row per dataset), then each dataset's breakdown as wrapped lines: it reads
-    the same in an 80-column terminal, a pipe and a CI log."""
+    """A narrow table (one row per dataset), then each dataset's breakdown: wrapped in a terminal,
+    whole lines in a pipe or a CI log (never cut)."""
     from rich import box
     from rich.markup import escape
-    from rich.padding import Padding
     from rich.table import Table
 
     console.print(f"[bold]legorl inspect[/] {summary['path']}", highlight=False, soft_wrap=True)
@@ -56,8 +56,9 @@ def _render(summary: dict[str, Any]) -> None:
         for d in summary["datasets"]:
             if d["breakdown"]:
                 console.print(f"[bold]{d['name']}[/]", highlight=False)
-                # escaped: a parametrized test id (test_x[a]) in a breakdown is text, not rich markup
-                console.print(Padding(escape(_breakdown(d)), (0, 0, 0, 2)), highlight=False)
+                # escaped: a parametrized test id (test_x[a]) in a breakdown is text, not rich markup; indented
+                # as text, not padded: a padded block is cut at the width where the console does not wrap (a log)
+                console.print(textwrap.indent(escape(_breakdown(d)), "  "), highlight=False)
     for error in summary["errors"]:
         console.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
 
