@@ -35,8 +35,8 @@ def _breakdown(d: dict[str, Any]) -> str:
 
 
 def _render(summary: dict[str, Any]) -> None:
-    """A narrow table (one row per dataset), then each dataset's breakdown: wrapped in a terminal,
-    whole lines in a pipe or a CI log (never cut)."""
+    """A narrow table (one row per dataset), then each dataset's breakdown wrapped between words at the
+    console's width: it reads the same in an 80-column terminal, a pipe and a CI log, no word cut."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
@@ -56,9 +56,13 @@ def _render(summary: dict[str, Any]) -> None:
         for d in summary["datasets"]:
             if d["breakdown"]:
                 console.print(f"[bold]{d['name']}[/]", highlight=False)
-                # escaped: a parametrized test id (test_x[a]) in a breakdown is text, not rich markup; indented
-                # as text, not padded: a padded block is cut at the width where the console does not wrap (a log)
-                console.print(textwrap.indent(escape(_breakdown(d)), "  "), highlight=False)
+                # Wrapped here between words, at the console's width: rich would cut a padded block where it
+                # does not wrap (a log), or break a word. A word longer than the width (a test id) stays whole.
+                # Escaped: a parametrized test id (test_x[a]) is text, not rich markup.
+                for line in _breakdown(d).splitlines():
+                    wrapped = textwrap.fill(line, max(40, console.width - 2), initial_indent="  ",
+                                            subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+                    console.print(escape(wrapped), highlight=False, soft_wrap=True)
     for error in summary["errors"]:
         console.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
 
