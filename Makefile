@@ -12,7 +12,7 @@ export DEBIAN_FRONTEND := noninteractive
 export HF_HUB_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: setup venv host harnesses test-deps demo test check lint typecheck bench gpu-check clean-demo
+.PHONY: setup venv host harnesses test-deps demo test unit check lint typecheck bench gpu-check clean-demo
 
 venv: $(VENV)/.installed
 
@@ -41,6 +41,10 @@ demo: setup
 
 test: test-deps
 	$(VENV)/bin/nox -s tests
+
+# The inner loop's lane (no containers, harnesses, long runs or robustness suites): 853 tests, 7.5 min on 2 idle cores.
+unit: venv
+	$(VENV)/bin/nox -s unit
 
 check: venv
 	$(VENV)/bin/nox -s lint typecheck

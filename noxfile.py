@@ -17,6 +17,15 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def unit(session: nox.Session) -> None:
+    """The inner loop's lane: no container, harness, GPU or long run, and none of the robustness suites
+    (attacks, chaos, fuzz, load). Not yet a two-minute lane: many of its tests load the tiny model or
+    start the CLI (issue #26)."""
+    session.run("pytest", "-q", "-m", "not slow and not podman and not harness and not gpu",
+                *(f"--ignore=tests/{suite}" for suite in ("attacks", "chaos", "fuzz", "load")), *session.posargs)
+
+
+@nox.session(python=False)
 def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
 
