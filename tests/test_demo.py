@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -256,12 +257,45 @@ def test_demo_runs_heldout_eval_loop_heldout_eval_and_writes_its_summary(tmp_pat
     assert {"heldout", "rewards", "steps", "wall_s", "cpu_s", "loop_s", "warmup_s", "config"} <= set(written)
     assert len(written["rewards"]) == 2
     assert (run / "dashboard" / "index.html").is_file() and (run / "reward.png").is_file()
+    _check_dashboard_in_chromium(run / "dashboard" / "index.html", trials=len(rollouts), steps=summary["steps"])
 
     console = Console(width=80, record=True, force_terminal=False)
     console.print(summary_table(summary))
     lines = console.export_text().splitlines()
     assert max(len(line) for line in lines) <= 80
     assert any("before (step 0)" in line for line in lines) and any("gain" in line for line in lines)
+
+
+def _check_dashboard_in_chromium(index: Path, trials: int, steps: list[dict[str, Any]]) -> None:
+    """The demo's own exported dashboard, opened from the file in Chromium: its panels drawn, and the
+    fidelity panel's figures — or, for a step that made no update, the reason it made none."""
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(chromium).exists():
+        pytest.skip("needs Debian's chromium (make test-deps installs it)")
+    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"]
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=args)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(index.as_uri())
+        page.wait_for_function(f"document.body.dataset.trials === '{trials}'", timeout=30000)
+        for panel in ("panel-reward", "panel-outcomes", "panel-trials"):
+            assert page.locator(f"#{panel}").get_attribute("data-state") == "ready", panel
+        fidelity = page.locator("#panel-fidelity")
+        skipped = [s["step"] for s in steps if s["train_metrics"][mk.SKIPPED] != 0.0]
+        if len(skipped) == len(steps):  # no step trained: the panel says why instead of drawing
+            assert fidelity.get_attribute("data-state") == "empty"
+            assert "made no update" in fidelity.locator(".empty-note").inner_text()
+        else:
+            assert fidelity.get_attribute("data-state") == "ready"
+        artifacts = Path(__file__).parent / "artifacts" / "dashboard"
+        artifacts.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(artifacts / "demo-run.png"), full_page=True)
+        assert not errors, errors
+        browser.close()
 
 
 def test_summarize_table_and_bar(tmp_path: Path) -> None:

@@ -146,7 +146,8 @@ function renderGroups(ov) {
   if (m) traces.push({ name: "trainer zero_variance_share", x: m.steps, y: m.values, yaxis: "y2", mode: "lines", line: { color: "#d0413c", dash: "dot" } });
   setPanel("panel-groups", g.steps.length > 0 || !!m, "No group has two graded attempts yet.");
   plot("chart-groups", traces, baseLayout({
-    barmode: "stack", yaxis: { title: { text: "groups" }, gridcolor: "#eceff4" },
+    barmode: "stack", margin: { l: 50, r: 50, t: 36, b: 40 },  // room for the right axis's "100%"
+    yaxis: { title: { text: "groups" }, gridcolor: "#eceff4" },
     yaxis2: { overlaying: "y", side: "right", range: [0, 1.05], tickformat: ".0%", showgrid: false },
   }));
 }
@@ -174,9 +175,14 @@ function smallMultiples(containerId, entries, titleOf) {
 }
 
 function skippedText(ov) {
-  // "step 0 made no update: <why>" per skipped step, or "" when every step trained.
-  return Object.entries(ov.skipped || {}).map(([step, reasons]) =>
-    `step ${step} made no update: ${reasons.map((r) => (ov.skip_reasons || {})[r] || r).join("; ")}`).join(". ");
+  // "steps 0, 1 made no update: <why>", one sentence per reason, or "" when every step trained.
+  const byWhy = {};
+  for (const [step, reasons] of Object.entries(ov.skipped || {})) {
+    const why = reasons.map((r) => (ov.skip_reasons || {})[r] || r).join("; ");
+    (byWhy[why] = byWhy[why] || []).push(step);
+  }
+  return Object.entries(byWhy).map(([why, steps]) =>
+    `${steps.length > 1 ? "steps" : "step"} ${steps.join(", ")} made no update: ${why}`).join(". ");
 }
 
 function renderFidelity(ov) {
