@@ -44,7 +44,6 @@ from legorl.sandbox.base import ExecResult, SandboxSpec
 MOUNT_ROOT = "/opt/legorl-verifier"
 MAX_REASONS, MAX_REASON_CHARS = 20, 500
 MAX_INPUT_BYTES = 64 * 1024 * 1024  # the task and the patch are bounded upstream; this guards the protocol
-VERDICT = "LEGORL-VERIFIER-VERDICT"
 
 # Runs in the container, on the image's Python: read the input, call the verifier, print one verdict line.
 _RUNNER = r"""
@@ -89,10 +88,9 @@ class Verifier:
 
     def __init__(self, spec: str, image: str, run_once: Callable[..., ExecResult], timeout_s: float = 60.0,
                  memory: str = "1g"):
-        check_spec(spec)
+        self._mount = check_spec(spec)
         self.spec, self.image, self.timeout_s, self.memory = spec, image, timeout_s, memory
         self._run_once = run_once
-        self._mount = _package_mount(spec)
 
     def __call__(self, task: dict[str, Any], patch: str, report: dict[str, Any]) -> Verdict:
         nonce = secrets.token_hex(16)
@@ -118,12 +116,13 @@ class Verifier:
         raise VerifierFailed(f"the verifier gave no reward after {took:.1f} s: {last[0][:300]}")
 
 
-def check_spec(spec: str) -> None:
-    """A clear error now (the verifier cannot be imported, or is not a function), not one per grade."""
+def check_spec(spec: str) -> tuple[str, str, bool]:
+    """A clear error now (the verifier cannot be imported, or is not a function), not one per grade; the
+    mount of its package when it can be."""
     obj = load_object(spec, "verifier")
     if not callable(obj):
         raise ConfigError(f"verifier {spec!r}: {type(obj).__name__} is not callable (want verify(task, patch, report))")
-    _package_mount(spec)
+    return _package_mount(spec)
 
 
 def _verdict(text: str) -> Verdict:
