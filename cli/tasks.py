@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from legorl.cli.common import JsonOption, OptionalRunOption, RunOption, console, fail, print_json
+from legorl.cli.options import ConfigOptions, with_configs
+from legorl.grading.grader import GradeOptions
 from legorl.tasks.builder import CHECK_RUNS
 
 sub = typer.Typer(help="Task sets: import SWE-bench-style data, build tasks offline.", no_args_is_help=True)
@@ -94,6 +96,45 @@ def list_command(run: RunOption, json_out: JsonOption = False) -> None:
                       t.image or "(base)")
     console.print(table)
     console.print(f"{len(tasks)} task(s)")
+
+
+@sub.command("canaries")
+@with_configs(options=ConfigOptions(GradeOptions, only=("concurrency", "test_timeout", "default_image", "memory")))
+def canaries_command(
+    options: GradeOptions,
+    run: RunOption,
+    instance_id: Annotated[list[str] | None, typer.Option("--id", help="Only these instance ids.")] = None,
+    into: Annotated[Path | None, typer.Option("--into", help=(
+        "Add the tasks whose passes canaries check (a changed expected value) to this run's tasks."))] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Which tasks' passes are checked from outside the test process: each task's canaries, by form.
+
+    A pass is checked only where the grade changes a canary's expected value; a task whose canaries
+    are negations only, or that has none, is graded on the runner's tripwires, which code in the test
+    process can evade (docs/threat-model.md). Train on the checked ones with --into."""
+    from rich.table import Table
+
+    from legorl.grading.coverage import CHECKED
+    from legorl.paths import RunDir
+    from legorl.sandbox.reaper import reap
+    from legorl.stages.tasks import canaries_stage
+
+    reap()
+    found = canaries_stage(RunDir.at(run).tasks, options, instance_id, RunDir.at(into).tasks if into else None,
+                           on_done=None if json_out else lambda c: console.print(
+                               f"{c.instance_id}: {c.verdict}", highlight=False))
+    if json_out:
+        print_json([c.as_dict() for c in found])
+        return
+    table = Table("instance_id", "F2P", "values", "negations", "checked by")
+    for c in found:
+        table.add_row(c.instance_id, str(c.tests), str(len(c.values)), str(len(c.negations)),
+                      c.verdict if c.error is None else f"{c.verdict}: {c.error[:120]}")
+    console.print(table)
+    checked = sum(c.verdict == CHECKED for c in found)
+    console.print(f"{checked} of {len(found)} task(s) checked by canaries"
+                  + (f"; added to {RunDir.at(into).tasks}" if into else ""), highlight=False)
 
 
 def register(app: typer.Typer) -> None:

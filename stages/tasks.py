@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from legorl import shards
 from legorl.schemas import Kind, TaskRow
 from legorl.tasks.importer import ImportResult, import_tasks
+
+if TYPE_CHECKING:
+    from legorl.grading.coverage import TaskCanaries
+    from legorl.grading.grader import GradeOptions
 
 
 def import_stage(
@@ -41,3 +46,30 @@ def build_stage(specs: list[str], out_dir: Path, options: object, tasks_dir: Pat
 def list_tasks(tasks_dir: str | os.PathLike[str]) -> list[TaskRow]:
     rows: list[TaskRow] = shards.read_rows(tasks_dir, Kind.TASKS)
     return rows
+
+
+def canaries_stage(
+    tasks_dir: str | os.PathLike[str], options: GradeOptions, instance_ids: Iterable[str] | None = None,
+    into: str | os.PathLike[str] | None = None, on_done: Callable[[TaskCanaries], None] | None = None,
+) -> list[TaskCanaries]:
+    """Each task's canaries by form (:mod:`legorl.grading.coverage`); with ``into``, the tasks whose
+    passes are checked from outside the test process are added to that tasks folder."""
+    from legorl.errors import LegorlError
+    from legorl.grading.coverage import survey
+    from legorl.grading.grader import Grader
+    from legorl.tasks.importer import add_tasks
+
+    tasks = sorted(list_tasks(tasks_dir), key=lambda t: t.instance_id)
+    if instance_ids is not None:
+        wanted = set(instance_ids)
+        unknown = sorted(wanted - {t.instance_id for t in tasks})
+        if unknown:
+            raise LegorlError(f"{tasks_dir}: no task {unknown[0]!r}")
+        tasks = [t for t in tasks if t.instance_id in wanted]
+    if into is not None and Path(into).resolve() == Path(tasks_dir).resolve():
+        raise LegorlError(f"--into {into}: the tasks' own folder (give another run's)")
+    found = survey(Grader(options), tasks, options.concurrency, on_done)
+    if into is not None:
+        checked = {c.instance_id for c in found if c.checked}
+        add_tasks([t for t in tasks if t.instance_id in checked], into, str(tasks_dir))
+    return found

@@ -418,6 +418,20 @@ class Grader:
             self._canaries[key] = live
         return live
 
+    def canary_forms(self, task: TaskRow) -> tuple[list[str], list[str]]:
+        """The task's canaries under this host's seed, as ``(changed values, negations)``: one gold run
+        with every canary mutated. Only a changed value checks a pass from outside the test process
+        (code that inverts each new test's outcome passes a negation blind; see the threat model)."""
+        seed = self.canary_seed(task)
+        live = self.canaries(task, seed)
+        if not live:
+            return [], []
+        run = self._clean_run(task, task.patch or "", "gold patch (canary forms)", seed, live)
+        negated = set(run.negated)
+        forms = {n: _mutation_of(n, run.mutated) for n in live}
+        return ([n for n, key in forms.items() if key and key not in negated],
+                [n for n, key in forms.items() if key in negated])
+
     def _find_canaries(self, task: TaskRow, seed: str) -> dict[str, dict[str, object]]:
         """Mutate every FAIL_TO_PASS test at its site, keep what passes the checks; retry the rest with
         another salt (a drawn value can be what the buggy code returns, or out of a constructor's range)."""

@@ -287,6 +287,11 @@ def import_tasks(
         tasks = [t for t in tasks if t.instance_id in wanted]
     if limit is not None:
         tasks = tasks[:limit]
+    return add_tasks(tasks, tasks_dir, source)
+
+
+def add_tasks(tasks: Iterable[TaskRow], tasks_dir: str | os.PathLike[str], source: str) -> ImportResult:
+    """Add the new or changed ``tasks`` to ``tasks_dir`` (those already there unchanged are skipped)."""
     existing = {t.instance_id: t for t in shards.read_rows(tasks_dir, Kind.TASKS)}
     result = ImportResult(source=source)
     fresh = []
