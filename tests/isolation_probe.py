@@ -2,7 +2,7 @@
 adversary: probes the network, its own proxy session and other sessions, then plants links and a
 fifo in the trial folder. Usage: ``python3 -I isolation_probe.py CONFIG.json``; writes
 ``probe.json`` next to the config. Standard library only: it runs on the task image's python3.
-Its relay client (:func:`request`) also serves the agents of tests/test_trial_isolation_round2.py,
+Its relay client (:func:`request`) also serves the agents of tests/test_trial_container_attacks.py,
 which import this file from their trial folder.
 """
 

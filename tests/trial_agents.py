@@ -1,5 +1,5 @@
 """An adversary standing in for an in-container harness, for the trial attack suites
-(tests/test_trial_isolation_round2.py, tests/test_trial_floods.py): ``Agent`` runs a Python script
+(tests/test_trial_container_attacks.py, tests/test_trial_floods.py): ``Agent`` runs a Python script
 (``Agent.SCRIPT`` after ``PRELUDE``) in a real trial container, where an in-container harness runs
 — same sandbox, mounts, relay, session socket, URLs — against the real proxy on a scripted engine.
 Every script first makes one real model call through the relay, so the policy "has spoken" and

@@ -1,4 +1,4 @@
-"""Red team, round 2: new ways past the rebuilt grader (docs/threat-model.md).
+"""Attacks on the grader's report channel, the runner's identity checks and the judge's rules (a red team's second round on the rebuilt grader; docs/threat-model.md).
 
 Every test here grades real patches in real podman containers (as tests/test_grading_attacks.py
 does, with its tasks and helpers from tests/grading_support.py, two grades at a time, a private ``LEGORL_CACHE``) and asserts

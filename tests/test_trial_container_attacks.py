@@ -1,5 +1,5 @@
 # ruff: noqa: F811 - the fixtures `agent` and `proxy` come from trial_agents and are test arguments here
-"""Trial isolation, round 2: a red team's attacks from inside a real trial container.
+"""Attacks from inside a real trial container on the trial folder, the patch taken from it, the host disk, the shared proxy and the relay (a red team's second round on trial isolation).
 
 Same setup as ``tests/test_trial_isolation.py``: the real rollout stage, real podman containers,
 the real proxy (in-process) on a scripted engine, and an adversary standing in for the harness
