@@ -27,7 +27,7 @@ SEGMENT_TYPE = pa.struct(
 CALL_TYPE = pa.struct(
     [
         pa.field("index", pa.int32()),
-        pa.field("api", pa.string()),  # "openai" | "anthropic"
+        pa.field("api", pa.string()),  # legorl.proxy.core.Api: "openai" (chat completions) | "responses" | "anthropic"
         pa.field("stream", pa.bool_()),
         pa.field("segment", pa.int32()),
         pa.field("started_at", pa.float64()),

@@ -18,7 +18,7 @@ import proxy_support
 import pytest
 from proxy_support import ANTHROPIC_TOOLS, TOOLS, an, embedded_proxy, oa, scripted_engine
 
-from legorl.proxy import anthropic_api, openai_api
+from legorl.proxy import anthropic_api, openai_api, wire
 from legorl.proxy.server import ProxyServer
 
 # the proxy tests' fixtures, bound here so that pytest finds them
@@ -49,7 +49,7 @@ def _openai_conversation(content: str) -> tuple[list[dict[str, Any]], list[dict[
         {"role": "user", "content": "Fix it. " + content},
         {"role": "assistant", "content": content, "tool_calls": [
             {"id": "call_1" + content, "type": "function",
-             "function": {"name": "bash", "arguments": openai_api.dumps({"command": content}).decode()}}]},
+             "function": {"name": "bash", "arguments": wire.dumps({"command": content}).decode()}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": content},
     ]
     return messages, tools

@@ -478,7 +478,7 @@ def test_lone_surrogates_in_items_never_lose_a_session(proxy: ProxyServer) -> No
 
 
 def openai_dumps(value: Any) -> str:
-    from legorl.proxy.openai_api import dumps
+    from legorl.proxy.wire import dumps
 
     return dumps(value).decode()
 

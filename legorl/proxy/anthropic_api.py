@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from legorl.proxy.core import CallResult, ChatRequest
-from legorl.proxy.openai_api import dumps
+from legorl.proxy.core import Api, CallResult, ChatRequest
+from legorl.proxy.render import ChatRenderer
 from legorl.proxy.request_parts import (
     function_tool,
     messages_array,
@@ -40,6 +40,7 @@ from legorl.proxy.validate import (
     opt_str,
     req_str,
 )
+from legorl.proxy.wire import event
 
 _IGNORED_TYPES: dict[str, type | tuple[type, ...]] = {
     "metadata": dict, "thinking": dict, "context_management": dict, "service_tier": str,
@@ -52,8 +53,17 @@ class AnthropicOptions:
     model: str
 
 
-def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"type": "error", "error": {"type": kind, "message": message}}
+_KINDS = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+          500: "api_error"}  # else invalid_request_error
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _KINDS.get(status, "invalid_request_error"), "message": message}}
+
+
+def overflow(message: str) -> BadRequest:
+    """The 400 a prompt over the context gets."""
+    return BadRequest(f"prompt is too long: {message}")
 
 
 def _text_of(value: Any, where: str) -> str:
@@ -189,7 +199,7 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, Anthropic
     stream = opt_bool(body, "stream")
     check_types(body, _IGNORED_TYPES)
     req = ChatRequest(
-        api="anthropic", messages=messages, tools=tools, parse_tools=parse_tools, stream=stream,
+        api=Api.MESSAGES, messages=messages, tools=tools, parse_tools=parse_tools, stream=stream,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k or 0, stop=list(stop),
     )
     return req, AnthropicOptions(model=model)
@@ -205,7 +215,7 @@ def _usage(result: CallResult) -> dict[str, Any]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
-def response(result: CallResult, opts: AnthropicOptions) -> dict[str, Any]:
+def response(result: CallResult, opts: AnthropicOptions, renderer: ChatRenderer) -> dict[str, Any]:
     blocks: list[dict[str, Any]] = []
     if result.content or not result.tool_calls:
         blocks.append({"type": "text", "text": result.content})
@@ -218,20 +228,16 @@ def response(result: CallResult, opts: AnthropicOptions) -> dict[str, Any]:
     }
 
 
-def event(name: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + dumps(data) + b"\n\n"
-
-
 class EventStream:
     """Builds the SSE events of a streamed message, in the order the real API sends them."""
 
-    def __init__(self, opts: AnthropicOptions):
+    def __init__(self, opts: AnthropicOptions, renderer: ChatRenderer):
         self.opts = opts
         self.id = "msg_" + secrets.token_hex(12)
         self.index = 0
         self.text_open = False
 
-    def start(self, prompt_tokens: int = 0) -> bytes:
+    def start(self, prompt_tokens: int) -> bytes:
         message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "model": self.opts.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
@@ -273,3 +279,6 @@ class EventStream:
             "delta": {"stop_reason": _STOP[result.finish], "stop_sequence": result.stop_sequence},
             "usage": {"output_tokens": result.completion_tokens, "input_tokens": result.prompt_tokens}})
         return out + event("message_stop", {"type": "message_stop"})
+
+    def failed(self, message: str) -> bytes:
+        return event("error", error_body(500, message))

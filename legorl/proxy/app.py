@@ -42,9 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from legorl.errors import LegorlError
-from legorl.proxy import anthropic_api, openai_api, responses_api
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.core import (
+    Api,
     CallResult,
     ChatRequest,
     ContextOverflow,
@@ -53,9 +53,11 @@ from legorl.proxy.core import (
     TextDelta,
     cannot_fit,
 )
+from legorl.proxy.frontends import BY_ROUTE, COUNT_ROUTES, FRONT_ENDS, FrontEnd, errors_for
 from legorl.proxy.limits import BodyMeter, ProxyLimits, SessionLoad, check_items, check_request
 from legorl.proxy.sessions import Session
 from legorl.proxy.validate import SURROGATE_ESCAPE, BadRequest, without_lone_surrogates
+from legorl.proxy.wire import dumps
 
 log = logging.getLogger("legorl.proxy")
 
@@ -67,12 +69,7 @@ Send = Callable[[Message], Awaitable[None]]
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_OPENAI_ROUTES = ("/v1/chat/completions", "/chat/completions")
-_ANTHROPIC_ROUTES = ("/v1/messages", "/messages")
-_RESPONSES_ROUTES = ("/v1/responses", "/responses")
-_COUNT_ROUTES = ("/v1/messages/count_tokens", "/messages/count_tokens")
-_MODEL_ROUTES = frozenset({*_OPENAI_ROUTES, *_RESPONSES_ROUTES, *_ANTHROPIC_ROUTES, *_COUNT_ROUTES,
-                           "/v1/models", "/models"})
+_MODEL_ROUTES = frozenset({*BY_ROUTE, *COUNT_ROUTES, "/v1/models", "/models"})
 
 
 def session_route(path: str, session_id: str) -> str | None:
@@ -84,19 +81,14 @@ def session_route(path: str, session_id: str) -> str | None:
     return None
 
 
-def api_of(path: str) -> str:
-    """Whose error format a request to ``path`` gets: ``anthropic`` or ``openai``."""
-    return "anthropic" if "/messages" in path else "openai"
-
-
 async def not_found(send: Send, path: str) -> None:
     """The 404 a session-bound socket answers for anything but its own session's model routes."""
-    await _error(send, api_of(path), 404, "not found on this session's socket", code="not_found")
+    await _error(send, errors_for(path), 404, "not found on this session's socket", code="not_found")
 
 
 async def send_error(send: Send, path: str, exc: BadRequest) -> None:
     """``exc`` answered in the error format of the API ``path`` names."""
-    await _error(send, api_of(path), exc.status, exc.message, exc.param, exc.code)
+    await _error(send, errors_for(path), exc.status, exc.message, exc.param, exc.code)
 
 
 class Disconnected(Exception):
@@ -143,26 +135,23 @@ class ProxyApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        api = api_of(path)
+        fe = BY_ROUTE.get(_split(path)[1]) or errors_for(path)  # who answers its errors
         try:
-            await self._route(scope, receive, send, path, method, api, bound)
+            await self._route(scope, receive, send, path, method, bound)
         except BadRequest as exc:
-            await _error(send, api, exc.status, exc.message, exc.param, exc.code)
+            await _error(send, fe, exc.status, exc.message, exc.param, exc.code)
         except ContextOverflow as exc:
-            if api == "anthropic":
-                await _error(send, api, 400, f"prompt is too long: {exc}")
-            else:
-                await _error(send, api, 400, f"This model's maximum context length was exceeded: {exc}",
-                             "input" if "/responses" in path else "messages", "context_length_exceeded")
+            over = fe.overflow(str(exc))
+            await _error(send, fe, over.status, over.message, over.param, over.code)
         except Disconnected:
             pass
         except Exception as exc:  # a bug or an engine failure: a server error, logged, never a hang
             log.exception("proxy request %s %s failed", method, path)
-            await _error(send, api, 500, f"internal error: {type(exc).__name__}: {exc}")
+            await _error(send, fe, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ routing
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send, path: str, method: str, api: str,
+    async def _route(self, scope: Scope, receive: Receive, send: Send, path: str, method: str,
                      bound: str | None) -> None:
         if path == "/health":
             await _json(send, 200, {"status": "ok", "model": self.core.engine.name,
@@ -170,13 +159,9 @@ class ProxyApp:
             return
         if bound is None:
             self._check_key(scope)
-        session_id: str | None = None
-        sub = path
-        if path.startswith("/sess/"):
-            session_id, _, rest = path[6:].partition("/")
-            sub = "/" + rest
-            if not _SESSION_ID.match(session_id):
-                raise BadRequest("malformed session id in the URL", status=404, code="not_found")
+        session_id, sub = _split(path)
+        if session_id is not None and not _SESSION_ID.match(session_id):
+            raise BadRequest("malformed session id in the URL", status=404, code="not_found")
         if sub in ("/v1/models", "/models"):
             _require(method, "GET")
             await _json(send, 200, self._models())
@@ -185,7 +170,8 @@ class ProxyApp:
             _require(method, "POST")
             await self._create_session(scope, await read_body(receive, self.max_body, allow_empty=True), send)
             return
-        if sub in _OPENAI_ROUTES or sub in _RESPONSES_ROUTES or sub in _ANTHROPIC_ROUTES:
+        fe = BY_ROUTE.get(sub)
+        if fe is not None:
             _require(method, "POST")
             if session_id is None and not self.single_session:
                 raise BadRequest(
@@ -193,15 +179,15 @@ class ProxyApp:
                     "(Anthropic), with an id from POST /sessions", status=404, code="not_found")
             create = bound is None and (self.auto_create or session_id is None)
             session = self._session(session_id or "default", create=create)
-            kind = "anthropic" if sub in _ANTHROPIC_ROUTES else "responses" if sub in _RESPONSES_ROUTES else "openai"
             with self.load.call(session.id) as meter:
-                req, opts = await self._parse(await read_body(receive, self.max_body, meter=meter), kind)
-                await self._chat(send, session, req, opts, kind)
+                req, opts = await self._parse(await read_body(receive, self.max_body, meter=meter), fe)
+                await self._chat(send, session, req, opts, fe)
             return
-        if sub in _COUNT_ROUTES:
+        if sub in COUNT_ROUTES:
             _require(method, "POST")
             with self.load.call(session_id or "default") as meter:
-                req, _ = await self._parse(await read_body(receive, self.max_body, meter=meter), "anthropic")
+                req, _ = await self._parse(await read_body(receive, self.max_body, meter=meter),
+                                           FRONT_ENDS[Api.MESSAGES])
                 counted = self.core.get(session_id or "default")
                 # one count at a time per session, as its calls go: the renders share one thread pool
                 async with counted.lock if counted is not None else contextlib.nullcontext():
@@ -287,24 +273,18 @@ class ProxyApp:
 
     # ------------------------------------------------------------------ model calls
 
-    async def _parse(self, raw: bytes, api: str) -> tuple[ChatRequest, Any]:
-        """A model call's body read by the front end of ``api`` (``openai``: chat completions,
-        ``responses`` or ``anthropic``), off the event loop; the parsed JSON is dropped once read, so a
-        call in flight holds its request, not what else its body carried."""
+    async def _parse(self, raw: bytes, fe: FrontEnd) -> tuple[ChatRequest, Any]:
+        """A model call's body read by its front end, off the event loop; the parsed JSON is dropped
+        once read, so a call in flight holds its request, not what else its body carried."""
         check_items(raw, self.limits)
-        return await asyncio.get_running_loop().run_in_executor(self._parser, self._read_request, raw, api)
+        return await asyncio.get_running_loop().run_in_executor(self._parser, self._read_request, raw, fe)
 
-    def _read_request(self, raw: bytes, api: str) -> tuple[ChatRequest, Any]:
+    def _read_request(self, raw: bytes, fe: FrontEnd) -> tuple[ChatRequest, Any]:
         body = _parse_json(raw)
-        check_request(body, api, self.limits)
+        check_request(body, self.limits, fe.items_key, fe.stop_key, fe.system_key)
         read: tuple[ChatRequest, Any]
         try:
-            if api == "openai":
-                read = openai_api.parse_request(body, self.core.engine.name)
-            elif api == "responses":
-                read = responses_api.parse_request(body, self.core.engine.name)
-            else:
-                read = anthropic_api.parse_request(body, self.core.engine.name)
+            read = fe.parse(body, self.core.engine.name)
         except BadRequest:
             raise
         except Exception as exc:  # input the validators did not foresee is still bad input
@@ -312,33 +292,20 @@ class ProxyApp:
         read[0].body_bytes = len(raw)
         return read
 
-    async def _chat(self, send: Send, session: Session, req: ChatRequest, opts: Any, api: str) -> None:
-        """One model call; ``api`` is the front end that shapes the reply."""
+    async def _chat(self, send: Send, session: Session, req: ChatRequest, opts: Any, fe: FrontEnd) -> None:
+        """One model call; ``fe`` shapes the reply."""
         try:
-            await self._respond(send, session, req, api, opts)
+            await self._respond(send, session, req, fe, opts)
         finally:
             asyncio.get_running_loop().call_soon(_prepare, session)
 
-    async def _respond(self, send: Send, session: Session, req: ChatRequest, api: str, opts: Any) -> None:
+    async def _respond(self, send: Send, session: Session, req: ChatRequest, fe: FrontEnd, opts: Any) -> None:
         renderer = self.core.renderer
         events = self.core.call(session, req)
         if not req.stream:
-            result = await _consume(events)
-            if api == "openai":
-                out = openai_api.response(result, opts, renderer)
-            elif api == "responses":
-                out = responses_api.response(result, opts, renderer)
-            else:
-                out = anthropic_api.response(result, opts)
-            await _json(send, 200, out)
+            await _json(send, 200, fe.respond(await _consume(events), opts, renderer))
             return
-        stream: openai_api.ChunkStream | responses_api.EventStream | anthropic_api.EventStream
-        if api == "openai":
-            stream = openai_api.ChunkStream(opts)
-        elif api == "responses":
-            stream = responses_api.EventStream(opts, renderer)
-        else:
-            stream = anthropic_api.EventStream(opts)
+        stream = fe.stream(opts, renderer)
         started = False
         alive = True
         streamed = ""
@@ -357,10 +324,7 @@ class ProxyApp:
                 if not started:
                     started = True
                     await send({"type": "http.response.start", "status": 200, "headers": _SSE})
-                    if isinstance(stream, anthropic_api.EventStream):
-                        await emit(stream.start(ev.prompt_tokens if isinstance(ev, Started) else 0))
-                    else:
-                        await emit(stream.start())
+                    await emit(stream.start(ev.prompt_tokens if isinstance(ev, Started) else 0))
                 if isinstance(ev, TextDelta):
                     streamed += ev.text
                     await emit(stream.text(ev.text))
@@ -370,15 +334,18 @@ class ProxyApp:
             if not started:
                 raise
             log.exception("streamed call failed in session %s", session.id)
-            if isinstance(stream, responses_api.EventStream):
-                await emit(stream.failed(str(exc)))
-            elif api == "openai":
-                await emit(openai_api.sse(openai_api.error_body(str(exc), kind="server_error")))
-            else:
-                await emit(anthropic_api.event("error", anthropic_api.error_body(str(exc), "api_error")))
+            await emit(stream.failed(str(exc)))
         if alive:
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _split(path: str) -> tuple[str | None, str]:
+    """``(session id, route)`` of ``/sess/<id>/<route>``; ``(None, path)`` of any other path."""
+    if not path.startswith("/sess/"):
+        return None, path
+    session_id, _, rest = path[6:].partition("/")
+    return session_id, "/" + rest
 
 
 def _prepare(session: Session) -> None:
@@ -446,23 +413,13 @@ async def read_body(receive: Receive, limit: int, allow_empty: bool = False, met
 
 
 async def _json(send: Send, status: int, data: Any) -> None:
-    body = openai_api.dumps(data)
+    body = dumps(data)
     await send({"type": "http.response.start", "status": status,
                 "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 
-_ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error"}
-_OPENAI_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 413: "invalid_request_error", 429: "requests", 500: "server_error"}
-
-
-async def _error(send: Send, api: str, status: int, message: str, param: str | None = None,
+async def _error(send: Send, fe: FrontEnd, status: int, message: str, param: str | None = None,
                  code: str | None = None) -> None:
-    if api == "anthropic":
-        body = anthropic_api.error_body(message, _ANTHROPIC_KINDS.get(status, "invalid_request_error"))
-    else:
-        body = openai_api.error_body(message, param, _OPENAI_KINDS.get(status, "invalid_request_error"), code)
     with contextlib.suppress(Exception):  # headers already sent or client gone
-        await _json(send, status, body)
+        await _json(send, status, fe.error(status, message, param, code))

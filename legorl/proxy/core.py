@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -33,11 +34,19 @@ from legorl.proxy.validate import BadRequest
 from legorl.schemas import Call
 
 
+class Api(StrEnum):
+    """The API dialect a call came in (its value is what captures and shards record)."""
+
+    CHAT = "openai"  # OpenAI chat completions
+    RESPONSES = "responses"  # OpenAI Responses
+    MESSAGES = "anthropic"  # Anthropic Messages
+
+
 @dataclass
 class ChatRequest:
     """A model call in canonical form (OpenAI-style messages), whichever API it came from."""
 
-    api: str  # "openai" | "responses" | "anthropic"
+    api: Api
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = True  # False for tool_choice "none"
@@ -189,7 +198,7 @@ class ProxyCore:
         async with session.lock:
             started = time.time()
             t0 = time.perf_counter()
-            call = Call(index=0, api=req.api, stream=req.stream, segment=-1, started_at=started)
+            call = Call(index=0, api=req.api.value, stream=req.stream, segment=-1, started_at=started)
             budgets = session.budgets
             stop = budgets.check_before_call(session.turns, session.total_tokens(), session.created_at)
             ctx = min(self.engine.max_context, budgets.max_context or self.engine.max_context)
@@ -337,7 +346,7 @@ class ProxyCore:
         content = parsed.content
         if req.stream and not content.startswith(text.emitted):
             content = text.emitted + content  # what was streamed stays part of the reply
-        prefix = "toolu_" if req.api == "anthropic" else "call_"
+        prefix = "toolu_" if req.api is Api.MESSAGES else "call_"
         for tc in parsed.tool_calls:
             tc.id = prefix + secrets.token_hex(12)
         if text.stop_sequence is not None:

@@ -143,13 +143,14 @@ def check_items(raw: bytes, limits: ProxyLimits) -> None:
                          "(max_json_items)")
 
 
-def check_request(body: Any, api: str, limits: ProxyLimits) -> None:
+def check_request(body: Any, limits: ProxyLimits, items_key: str = "messages", stop_key: str = "stop",
+                  system_key: str | None = None) -> None:
     """A 400 naming the parameter when the (parsed JSON) body of a model call asks for more than
-    ``limits`` allow. ``api``: ``openai``, ``responses`` or ``anthropic``. Run before the front end
-    reads the body, so that the work it does is bounded too; a body of the wrong shape is left to it."""
+    ``limits`` allow; the keys are where the body's dialect keeps its conversation, stop strings and
+    system prompt. Run before the front end reads the body, so that the work it does is bounded too;
+    a body of the wrong shape is left to it."""
     if not isinstance(body, dict):
         return
-    items_key = "input" if api == "responses" else "messages"
     items = body.get(items_key)
     parts = 0
     if isinstance(items, list):
@@ -157,7 +158,7 @@ def check_request(body: Any, api: str, limits: ProxyLimits) -> None:
             raise BadRequest(f"{items_key}: {len(items)} items, over the limit of {limits.max_messages} "
                              "(max_messages)", items_key)
         parts = sum(_parts(m) for m in items)
-    system = body.get("system") if api == "anthropic" else None
+    system = body.get(system_key) if system_key else None
     if isinstance(system, list):
         parts += len(system)
     if parts > limits.max_content_parts:
@@ -166,7 +167,6 @@ def check_request(body: Any, api: str, limits: ProxyLimits) -> None:
     tools = body.get("tools")
     if isinstance(tools, list) and len(tools) > limits.max_tools:
         raise BadRequest(f"tools: {len(tools)} tools, over the limit of {limits.max_tools} (max_tools)", "tools")
-    stop_key = "stop_sequences" if api == "anthropic" else "stop"
     stop = body.get(stop_key)
     if isinstance(stop, list):
         if len(stop) > limits.max_stop_strings:

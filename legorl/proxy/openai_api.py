@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from legorl.proxy.core import CallResult, ChatRequest
+from legorl.proxy.core import Api, CallResult, ChatRequest
 from legorl.proxy.render import ChatRenderer
 from legorl.proxy.request_parts import (
+    content_text,
     function_tool,
     messages_array,
     temperature_and_top_p,
@@ -37,6 +38,7 @@ from legorl.proxy.validate import (
     opt_str,
     req_str,
 )
+from legorl.proxy.wire import openai_error, sse, token_logprobs
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool", "function": "tool"}
@@ -57,33 +59,10 @@ class OpenAIOptions:
     return_token_ids: bool = False
 
 
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def content_text(value: Any, where: str) -> str:
-    """A message's text: a string, or its text parts joined by newlines (images as ``[image]``)."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for i, part in enumerate(value):
-            if isinstance(part, str):
-                parts.append(part)
-                continue
-            p = obj(part, f"{where}[{i}]")
-            kind = p.get("type")
-            if kind in ("text", "input_text", "output_text"):
-                parts.append(req_str(p, "text", f"{where}[{i}]."))
-            elif kind in ("image_url", "input_image", "image"):
-                parts.append("[image]")
-            elif not isinstance(kind, str):
-                raise BadRequest(f"{where}[{i}].type: required string", f"{where}[{i}].type")
-        return "\n".join(parts)
-    raise BadRequest(f"{where}: expected a string or an array of content parts", where)
+def overflow(message: str) -> BadRequest:
+    """The 400 a prompt over the context gets."""
+    return BadRequest(f"This model's maximum context length was exceeded: {message}", "messages",
+                      code="context_length_exceeded")
 
 
 def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
@@ -180,7 +159,7 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, OpenAIOpt
     opt_list(body, "modalities")
     check_types(body, _IGNORED_TYPES)
     req = ChatRequest(
-        api="openai", messages=messages, tools=tools, parse_tools=parse_tools, stream=stream,
+        api=Api.CHAT, messages=messages, tools=tools, parse_tools=parse_tools, stream=stream,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(0, top_k or 0), seed=seed,
         stop=stop,
     )
@@ -203,12 +182,6 @@ def _tool_calls_out(result: CallResult) -> list[dict[str, Any]]:
 def _usage(result: CallResult) -> dict[str, int]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
             "total_tokens": result.prompt_tokens + result.completion_tokens}
-
-
-def token_logprobs(result: CallResult, renderer: ChatRenderer) -> list[dict[str, Any]]:
-    """Each sampled token (tool-call text included) with its logprob, as ``logprobs`` entries."""
-    return [{"token": renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-            for t, lp in zip(result.token_ids, result.logprobs, strict=False)]
 
 
 def _logprobs(result: CallResult, renderer: ChatRenderer) -> dict[str, Any]:
@@ -236,7 +209,7 @@ def response(result: CallResult, opts: OpenAIOptions, renderer: ChatRenderer) ->
 class ChunkStream:
     """Builds the SSE ``data:`` lines of a streamed chat completion."""
 
-    def __init__(self, opts: OpenAIOptions):
+    def __init__(self, opts: OpenAIOptions, renderer: ChatRenderer):
         self.opts = opts
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
@@ -247,7 +220,7 @@ class ChunkStream:
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         return sse(data)
 
-    def start(self) -> bytes:
+    def start(self, prompt_tokens: int) -> bytes:
         return self._chunk({"role": "assistant", "content": ""})
 
     def text(self, text: str) -> bytes:
@@ -271,10 +244,6 @@ class ChunkStream:
                         "model": self.opts.model, "choices": [], "usage": _usage(result)})
         return out + b"data: [DONE]\n\n"
 
+    def failed(self, message: str) -> bytes:
+        return sse(openai_error(500, message))
 
-def sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + dumps(data) + b"\n\n"
-
-
-def dumps(data: Any) -> bytes:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()

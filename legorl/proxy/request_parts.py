@@ -1,5 +1,5 @@
-"""The pieces of a request the OpenAI and Anthropic front ends read alike: the ``messages`` array,
-function tools, and the sampling parameters.
+"""The pieces of a request the front ends read alike: the ``messages`` array, function tools, the
+sampling parameters, and a message's content parts.
 
 The loops over messages stay inline in each front end: a generator yielding each message cost a
 few microseconds a request, on the proxy's hot path."""
@@ -48,3 +48,27 @@ def temperature_and_top_p(body: dict[str, Any], max_temperature: float) -> tuple
     temperature = opt_num(body, "temperature", lo=0.0, hi=max_temperature)
     top_p = opt_num(body, "top_p", lo=0.0, hi=1.0, lo_open=True)
     return 1.0 if temperature is None else temperature, 1.0 if top_p is None else top_p
+
+
+def content_text(value: Any, where: str) -> str:
+    """A message's text: a string, or its text parts joined by newlines (images as ``[image]``)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for i, part in enumerate(value):
+            if isinstance(part, str):
+                parts.append(part)
+                continue
+            p = obj(part, f"{where}[{i}]")
+            kind = p.get("type")
+            if kind in ("text", "input_text", "output_text"):
+                parts.append(req_str(p, "text", f"{where}[{i}]."))
+            elif kind in ("image_url", "input_image", "image"):
+                parts.append("[image]")
+            elif not isinstance(kind, str):
+                raise BadRequest(f"{where}[{i}].type: required string", f"{where}[{i}].type")
+        return "\n".join(parts)
+    raise BadRequest(f"{where}: expected a string or an array of content parts", where)

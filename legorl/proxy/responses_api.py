@@ -34,11 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from legorl.proxy.anthropic_api import event
-from legorl.proxy.core import CallResult, ChatRequest
-from legorl.proxy.openai_api import content_text, token_logprobs
+from legorl.proxy.core import Api, CallResult, ChatRequest
 from legorl.proxy.render import ChatRenderer
-from legorl.proxy.request_parts import function_tool, temperature_and_top_p, tool_specs
+from legorl.proxy.request_parts import content_text, function_tool, temperature_and_top_p, tool_specs
 from legorl.proxy.validate import (
     INT64_MAX,
     INT64_MIN,
@@ -51,6 +49,7 @@ from legorl.proxy.validate import (
     opt_str,
     req_str,
 )
+from legorl.proxy.wire import event, token_logprobs
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -182,7 +181,7 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, Responses
         raise BadRequest("include: expected an array of strings", "include")
     check_types(body, _IGNORED_TYPES)
     req = ChatRequest(
-        api="responses", messages=messages, tools=tools, parse_tools=choice != "none", stream=stream,
+        api=Api.RESPONSES, messages=messages, tools=tools, parse_tools=choice != "none", stream=stream,
         max_tokens=max_output_tokens, temperature=temperature, top_p=top_p, seed=seed,
     )
     opts = ResponsesOptions(
@@ -196,6 +195,12 @@ def parse_request(body: Any, default_model: str) -> tuple[ChatRequest, Responses
 
 
 # ---------------------------------------------------------------------------- responses
+
+
+def overflow(message: str) -> BadRequest:
+    """The 400 a prompt over the context gets."""
+    return BadRequest(f"This model's maximum context length was exceeded: {message}", "input",
+                      code="context_length_exceeded")
 
 
 def _usage(result: CallResult) -> dict[str, Any]:
@@ -272,7 +277,7 @@ class EventStream:
         self.seq += 1
         return event(kind, data)
 
-    def start(self) -> bytes:
+    def start(self, prompt_tokens: int) -> bytes:
         snapshot = _response(self.opts, self.id, self.created, "in_progress", [])
         return (self._event("response.created", response=snapshot)
                 + self._event("response.in_progress", response=snapshot))
