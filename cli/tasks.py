@@ -10,7 +10,7 @@ import typer
 from legorl.cli.common import JsonOption, OptionalRunOption, RunOption, console, fail, print_json
 from legorl.cli.options import ConfigOptions, with_configs
 from legorl.grading.grader import GradeOptions
-from legorl.tasks.builder import CHECK_RUNS
+from legorl.tasks.build_options import CHECK_RUNS
 
 sub = typer.Typer(help="Task sets: import SWE-bench-style data, build tasks offline.", no_args_is_help=True)
 
@@ -63,7 +63,7 @@ def build_command(
     from legorl.paths import RunDir
     from legorl.sandbox.reaper import reap
     from legorl.stages.tasks import build_stage
-    from legorl.tasks.builder import BuildOptions
+    from legorl.tasks.build_options import BuildOptions
 
     reap()
     options = BuildOptions(per_library=per_library, attempts=attempts, concurrency=concurrency, timeout=timeout,

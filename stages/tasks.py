@@ -34,7 +34,8 @@ def import_stage(
 def build_stage(specs: list[str], out_dir: Path, options: object, tasks_dir: Path | None = None) -> list[TaskRow]:
     """Build tasks from sdists into ``out_dir`` (bundles + tasks.parquet); import them into
     ``tasks_dir`` too when given."""
-    from legorl.tasks.builder import BuildOptions, build
+    from legorl.tasks.build_options import BuildOptions
+    from legorl.tasks.builder import build
 
     assert isinstance(options, BuildOptions)
     tasks = build(specs, out_dir, options)

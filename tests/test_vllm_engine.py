@@ -367,5 +367,5 @@ def test_closing_an_engine_stops_the_server_it_owns(server, tiny_model: Path) ->
 
     _, url = server
     asyncio.run(VLLMEngine(url).close())
-    asyncio.run(VLLMEngine(url, server=Recorded(tiny_model)).close())
+    asyncio.run(VLLMEngine(url, stop_server=Recorded(tiny_model).stop).close())
     assert Recorded.stopped == 1

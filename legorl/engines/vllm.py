@@ -37,9 +37,9 @@ import io
 import json
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import numpy as np
@@ -47,9 +47,6 @@ import numpy as np
 from legorl.engines import vllm_weights
 from legorl.engines.base import Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
 from legorl.errors import ConfigError, LegorlError
-
-if TYPE_CHECKING:
-    from legorl.engines.vllm_server import VLLMServer
 
 # Statuses by which vLLM refuses a request for its content (validation: a prompt or parameter it
 # will not take); any other status (5xx, 404 for a wrong model name, 401) is the engine's failure.
@@ -113,12 +110,12 @@ class VLLMEngine:
         reload_tolerance: float = vllm_weights.DEFAULT_TOLERANCE,
         timeout: float = 600.0,
         name: str | None = None,
-        server: VLLMServer | None = None,
+        stop_server: Callable[[], None] | None = None,
     ):
         """``weights_dir``: where untied copies of checkpoints are laid out for the server to reload
         (it must read them there; default: a temporary directory). ``reload_tolerance``: the largest
-        |Δ| in nats between served and checkpoint logprobs a reload may leave. ``server``: one
-        started for this engine, stopped by :meth:`close`."""
+        |Δ| in nats between served and checkpoint logprobs a reload may leave. ``stop_server``:
+        stops a server started for this engine; :meth:`close` calls it."""
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
@@ -127,7 +124,7 @@ class VLLMEngine:
         self._weights_dir = Path(weights_dir) if weights_dir is not None else None
         self._own_weights_dir = weights_dir is None
         self.reload_tolerance = reload_tolerance
-        self.server = server
+        self._stop_server = stop_server
         self._timeout = httpx.Timeout(timeout, connect=10.0)
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
@@ -340,5 +337,5 @@ class VLLMEngine:
         if self._own_weights_dir and self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
             self._weights_dir = None
-        if self.server is not None:
-            self.server.stop()
+        if self._stop_server is not None:
+            self._stop_server()

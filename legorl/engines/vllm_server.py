@@ -304,7 +304,7 @@ class VLLMServer:
         """A :class:`VLLMEngine` on this server that stops it when closed."""
         from legorl.engines.vllm import VLLMEngine
 
-        return VLLMEngine(self.base_url, self.name, weights_dir=self.work_dir / "reloads", server=self,
+        return VLLMEngine(self.base_url, self.name, weights_dir=self.work_dir / "reloads", stop_server=self.stop,
                           reload_tolerance=reload_tolerance)
 
     def __enter__(self) -> VLLMServer:

@@ -9,14 +9,19 @@ import signal
 import subprocess
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from legorl.sandbox.host import podman_env, podman_path
 
-if TYPE_CHECKING:  # podman imports this module
-    from legorl.sandbox.podman import PodmanSandbox
 
-_live: dict[str, PodmanSandbox] = {}
+class Tracked(Protocol):
+    """A container this process created (:class:`~legorl.sandbox.podman.PodmanSandbox`)."""
+
+    name: str
+    _removed: bool  # set once it is gone, so its own remove() does nothing
+
+
+_live: dict[str, Tracked] = {}
 _live_lock = threading.Lock()
 _handlers_installed = False
 
@@ -61,7 +66,7 @@ def install_handlers() -> None:
         signal.signal(sig, handler)
 
 
-def register(box: PodmanSandbox) -> None:
+def register(box: Tracked) -> None:
     """Track ``box`` until it is removed (before its container exists, so a signal mid-create removes it)."""
     with _live_lock:
         _live[box.name] = box

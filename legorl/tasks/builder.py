@@ -32,31 +32,18 @@ import shutil
 import tempfile
 from collections.abc import Callable, Container
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from legorl.errors import ConfigError, LegorlError
 from legorl.grading.grader import GradeOptions, Grader
 from legorl.sandbox.base import Sandbox, SandboxSpec
 from legorl.schemas import TaskRow
+from legorl.tasks.build_options import CHECK_RUNS, BuildOptions
 from legorl.tasks.drafting import git, make_task
 from legorl.tasks.library import BuildError, fetch_sdist
 from legorl.tasks.mining import mine
 
-CHECK_RUNS = 3  # runs of each patch in the task check (a test flaky at 50% under both slips past 1 check in 16)
 MISSING = "MISSING"
-
-
-@dataclass
-class BuildOptions:
-    per_library: int = 8  # tasks to keep per library
-    attempts: int = 60  # mutations to try per library at most
-    concurrency: int = 2
-    timeout: float = 60.0  # per test-suite run while mining
-    seed: int = 0
-    image: str | None = None
-    check_runs: int = CHECK_RUNS  # runs of the gold and the empty patch per task in the check (flaky tests)
-    log: Callable[[str], None] = field(default=lambda s: None)
 
 
 def flaky_tests(runs: dict[str, list[dict[str, str]]]) -> dict[str, dict[str, list[str]]]:

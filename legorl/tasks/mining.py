@@ -17,7 +17,7 @@ from legorl.tasks.library import BuildError, Library
 from legorl.tasks.mutate import Mutation, find_mutations, sample
 
 if TYPE_CHECKING:
-    from legorl.tasks.builder import BuildOptions
+    from legorl.tasks.build_options import BuildOptions
 
 MIN_BROKEN, MAX_BROKEN = 1, 10
 _PASSING = ("PASSED", "XFAIL")
