@@ -184,7 +184,7 @@ def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path, run_id: st
 
         grader = Grader(GradeOptions(test_timeout=600))
         for t in tasks:
-            grader.canaries(t, grader.canary_seed(t))
+            grader.canaries.of(t, grader.canaries.seed(t))
     start = time.monotonic()
     summary = grade_stage(tasks_dir, workdir / run_id / "grades", gold_jobs({t.instance_id: t for t in tasks}),
                           GradeOptions(concurrency=concurrency, test_timeout=600, canaries=canaries))

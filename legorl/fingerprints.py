@@ -15,9 +15,7 @@ an image inspected once per name, the grading code once.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -27,14 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from legorl import __version__ as LEGORL_VERSION
+from legorl.digests import digest, file_digest
 from legorl.errors import LegorlError
-from legorl.schemas import GradeFingerprint, TaskRow, TrialFingerprint
-
-_CHUNK = 1 << 20
-
-
-def _digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
+from legorl.schemas import TrialFingerprint
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -75,21 +68,6 @@ def _package_version(name: str) -> str | None:
     return None
 
 
-@functools.cache
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes, cached while its size and mtime stay the same."""
-    st = path.stat()
-    return _file_digest(str(path.resolve()), st.st_size, st.st_mtime_ns)
-
-
 def harness_config(cfg: Any, context_tokens: int | None = None) -> str:
     """The digest of a harness's effective config: its config file's bytes (``--harness-config``;
     none = the adapter's own, which the harness and legorl versions pin) and the options each trial
@@ -98,7 +76,7 @@ def harness_config(cfg: Any, context_tokens: int | None = None) -> str:
     options = {name: getattr(cfg, name, None) for name in ("max_turns", "max_tokens", "temperature", "timeout_s")}
     effective = {"config_file": file_digest(Path(path)) if path is not None else None,
                  "options": options, "context_tokens": context_tokens}
-    return _digest(json.dumps(effective, sort_keys=True).encode())
+    return digest(json.dumps(effective, sort_keys=True).encode())
 
 
 def model_revision(model_dir: Path) -> str:
@@ -108,7 +86,7 @@ def model_revision(model_dir: Path) -> str:
     if not files:
         raise LegorlError(f"{model_dir}: no files to fingerprint (not a model directory)")
     listing = "\n".join(f"{p.name} {file_digest(p)}" for p in files)
-    return _digest(listing.encode())
+    return digest(listing.encode())
 
 
 def proxy_model_revision(proxy: Any) -> str | None:
@@ -133,50 +111,6 @@ def trial_fingerprint(harness: str, cfg: Any = None, proxy: Any = None) -> Trial
         harness_config=None if cfg is None else harness_config(cfg, getattr(proxy, "context_tokens", None)),
         legorl_version=LEGORL_VERSION, model_revision=proxy_model_revision(proxy),
     )
-
-
-# --------------------------------------------------------------------------- grades
-
-
-@functools.cache
-def image_digest(image: str) -> str | None:
-    """Podman's id of ``image`` (``sha256:...``, the digest of its config); None when podman does not
-    have it. Inspected once per name and process."""
-    from legorl.sandbox.host import run_podman
-
-    try:
-        proc = run_podman(["image", "inspect", "--format", "{{.Id}}", image], timeout=60, check=False)
-    except (LegorlError, OSError):
-        return None
-    found = proc.stdout.decode(errors="replace").strip()
-    if proc.returncode != 0 or not found:
-        return None
-    return found if found.startswith("sha256:") else f"sha256:{found}"
-
-
-@functools.cache
-def grader_version() -> str:
-    """``<legorl version>+g<GRADER_VERSION>.<digest>``: the digest covers every file of
-    :mod:`legorl.grading` (the host's judgement, the script and the sandboxed judge and runner)."""
-    from legorl.grading import grader
-
-    root = Path(grader.__file__).parent
-    files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
-    listing = "\n".join(f"{p.relative_to(root)} {file_digest(p)}" for p in files)
-    return f"{LEGORL_VERSION}+g{grader.GRADER_VERSION}.{_digest(listing.encode()).removeprefix('sha256:')[:12]}"
-
-
-def grade_fingerprint(task: TaskRow, containers: Any = None) -> GradeFingerprint:
-    """A grade's fingerprint; ``containers`` (:class:`~legorl.grading.container.GradingContainers`)
-    knows the image and command a grade really used, else the task's own are recorded."""
-    image, command = task.image, task.test_command
-    if containers is not None:
-        image = containers.image_for(task)
-        # a grade that failed on the command says so; a fingerprint never costs a grade its row
-        with contextlib.suppress(Exception):
-            command = containers.command_for(task)
-    return GradeFingerprint(image=image, image_digest=image_digest(image) if image else None,
-                            test_command=command, grader_version=grader_version())
 
 
 # --------------------------------------------------------------------------- a run's rows

@@ -28,6 +28,7 @@ from legorl.arrow_schemas import TEST_RESULT_TYPE as TEST_RESULT_TYPE
 from legorl.arrow_schemas import TIMINGS_TYPE as TIMINGS_TYPE
 
 SCHEMA_VERSION = 1
+HARBOR = "harbor"  # TaskRow.grader of a task its own tests/test.sh grades (None: SWE-style hidden tests)
 
 
 class Kind(StrEnum):

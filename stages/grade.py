@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from legorl import shards
 from legorl.errors import LegorlError
 from legorl.executors import ExecutorOptions, Work
-from legorl.fingerprints import grade_fingerprint
+from legorl.grading.fingerprint import grade_fingerprint
 from legorl.grading.grader import GradeOptions, Grader
 from legorl.jsonfiles import LONE_SURROGATE, json_lines, loads, read_utf8
 from legorl.schemas import GradeRow, GradeStatus, Kind, TaskRow, trial_key

@@ -19,10 +19,11 @@ from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 import legorl
-from legorl import costs, evaluation, fingerprints, shards
+from legorl import costs, digests, evaluation, fingerprints, shards
 from legorl.cli.app import app as cli_app
 from legorl.engines.scripted import ScriptedEngine
 from legorl.errors import LegorlError
+from legorl.grading import fingerprint as grade_fingerprints
 from legorl.grading.grader import GRADER_VERSION, GradeOptions
 from legorl.monitor import report as monitor_report
 from legorl.monitor.dashboard.server import create_app
@@ -124,10 +125,10 @@ def test_model_revision_hashes_the_model_directory_once(tiny_model: Path, tmp_pa
     with InProcessProxy(EmbeddedEngine(tiny_model), str(tiny_model)) as proxy:
         revision = fingerprints.proxy_model_revision(proxy)
     assert revision == fingerprints.model_revision(tiny_model) and revision.startswith("sha256:")
-    before = fingerprints._file_digest.cache_info()
+    before = digests._file_digest.cache_info()
     for _ in range(50):  # what 50 trials cost: no file is read again
         assert fingerprints.model_revision(tiny_model) == revision
-    after = fingerprints._file_digest.cache_info()
+    after = digests._file_digest.cache_info()
     assert after.misses == before.misses and after.hits > before.hits
     # another checkpoint: another revision (one changed byte in the config)
     copy = tmp_path / "model"
@@ -245,4 +246,4 @@ def test_rows_of_lost_trials_and_grades_say_what_would_have_made_them(tmp_path: 
     assert grade is not None and grade.fingerprint is not None
     assert (grade.fingerprint.image, grade.fingerprint.test_command) == ("localhost/none-such:1", "pytest -x")
     assert grade.fingerprint.image_digest is None  # podman has no such image
-    assert grade.fingerprint.grader_version == fingerprints.grader_version()
+    assert grade.fingerprint.grader_version == grade_fingerprints.grader_version()

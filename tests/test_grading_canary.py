@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from legorl.grading.grader import halves
+from legorl.grading.canaries import halves
 from legorl.grading.patches import added_lines
 from legorl.grading.sandboxed import canary
 

@@ -277,7 +277,7 @@ def graded(base_image: str, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         jobs += [(f"{task.instance_id}/{name}", task, patch) for name, patch in _variants(tree, task).items()]
     for task in {t.instance_id: t for _, t, _ in jobs}.values():  # the gold and canary references, once
         grader.reference(task)
-        grader.canaries(task, grader.canary_seed(task))
+        grader.canaries.of(task, grader.canaries.seed(task))
     with ThreadPoolExecutor(max_workers=2) as pool:
         rows = pool.map(lambda job: grade_one(grader, job[1], job[2], job[0]), jobs)
         return dict(zip([j[0] for j in jobs], rows, strict=True))

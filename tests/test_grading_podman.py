@@ -300,7 +300,7 @@ def test_in_process_attacks_fail_without_the_screen(base_image: str, shipped: di
     assert grader.grade(task, task.patch).reward == 1.0
     # test_ttl.py negates into assertNotEqual, a form no other test of the file uses: no canary
     # there (tests/attacks/test_negation_spotter.py), so the runner's tripwire decides this variant
-    canaried = bool(grader.canaries(task, grader.canary_seed(task)))
+    canaried = bool(grader.canaries.of(task, grader.canaries.seed(task)))
     attacks = {"rewire TestReport": REPORT_PATCH, "wrap call_and_report": WRAP_CALL_AND_REPORT,
                "plugin through gc": PLUGIN_THROUGH_GC,
                "rewrite later tests": f"NAMES = {names!r}\n" + REWRITE_LATER_TESTS}

@@ -269,7 +269,8 @@ def test_rows_written_before_fingerprints_and_costs_still_read(tmp_path: Path) -
     """Shards without the fingerprint and cost columns (older legorl) read with them null, and a
     trial's cost is then derived from its calls (legorl.costs)."""
     from legorl.costs import cost_of, trial_cost
-    from legorl.fingerprints import grade_fingerprint, trial_fingerprint
+    from legorl.fingerprints import trial_fingerprint
+    from legorl.grading.fingerprint import grade_fingerprint
 
     new = make_trial(fingerprint=trial_fingerprint("mini-swe-agent"), cost=trial_cost(make_trial().calls, 2, 9.5))
     grade = sample_rows()[Kind.GRADES][0]

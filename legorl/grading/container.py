@@ -7,6 +7,7 @@ grader's (:mod:`.grader`).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -16,15 +17,16 @@ import tarfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from legorl.errors import LegorlError
 from legorl.grading.logparse import TestStatuses
+from legorl.grading.options import GradeOptions
 from legorl.grading.patches import split_patch, touched_paths
 from legorl.grading.script import (
     APPLY_METHODS,
     APPLY_TIMEOUT_S,
     MAX_REPORT_BYTES,
+    SANDBOXED_DIGEST,
     bundle,
     grade_files,
     parse_pytest_command,
@@ -33,8 +35,7 @@ from legorl.grading.script import (
 from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
 from legorl.schemas import TaskRow
 
-if TYPE_CHECKING:
-    from legorl.grading.grader import GradeOptions
+GRADER_VERSION = "4"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
 
 DEFAULT_PYTEST = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {test_files}"
 INFRA_SLACK_S = 300.0  # what the grading script may take beyond the test timeout before it is infra
@@ -242,14 +243,7 @@ class GradingContainers:
         timeout = self.options.test_timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
         if deadline_s is not None:
             timeout = min(timeout, deadline_s)
-        if self._run_once is not None:
-            res = self._run_once(spec, ["sh", "-c", _UNPACK], stdin=stdin, timeout=timeout)
-        else:
-            box = self._create(spec)
-            try:
-                res = box.exec(["sh", "-c", _UNPACK], timeout=timeout, stdin=stdin)  # type: ignore[call-arg]
-            finally:
-                box.remove()
+        res = self.run_container(spec, ["sh", "-c", _UNPACK], stdin, timeout)
         events = read_events(res.output, nonce)
         mode = events.data("tests_start") or ("runner" if parse_pytest_command(command) else "shell")
         if "judge_failed" in events:  # the judge's own last words (stderr), for the row
@@ -265,6 +259,37 @@ class GradingContainers:
         run = Run(res, events.seen, events.test_output, _json(report_text), _json(events.decoded("judged")),
                   mode, _json(events.decoded("canaries")))
         return run, report_nonce
+
+    def run_container(self, spec: SandboxSpec, argv: list[str], stdin: bytes, timeout: float) -> ExecResult:
+        """``argv`` in one fresh container of ``spec``, fed ``stdin``: podman's ``run_once`` where the
+        backend has it, else create, exec and remove."""
+        if self._run_once is not None:
+            return self._run_once(spec, argv, stdin=stdin, timeout=timeout)
+        box = self._create(spec)
+        try:
+            return box.exec(argv, timeout=timeout, stdin=stdin)  # type: ignore[call-arg]
+        finally:
+            box.remove()
+
+    def clean_run(self, task: TaskRow, patch: str, what: str, canary_seed: str | None = None,
+                  canary_tests: Mapping[str, object] | None = None) -> Run:
+        """One run of a patch of the task's own (gold, empty); GradingInfraError unless it is clean."""
+        run, nonce = self.run(task, patch, canary_seed=canary_seed, canary_tests=canary_tests)
+        if "applied" not in run.events:
+            if "apply_failed" in run.events:
+                raise GradingInfraError(f"task {task.instance_id}: its {what} does not apply")
+            raise GradingInfraError(run.before_patch_error())
+        failure = run.failure(nonce)
+        if failure is not None:
+            raise GradingInfraError(f"task {task.instance_id}: its {what} does not grade cleanly: {failure}")
+        return run
+
+    def task_key(self, task: TaskRow) -> str:
+        """A digest of everything that shapes a task's runs (what the cached gold runs and canaries are kept by)."""
+        parts = [GRADER_VERSION, SANDBOXED_DIGEST, task.instance_id, task.repo_source or "", task.repo_ref or "",
+                 task.base_commit or "", task.patch or "", task.test_patch or "", task.test_command or "",
+                 self.image_for(task)]
+        return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()
 
     def _head(self, task: TaskRow) -> frozenset[str]:
         """The files of the task's testbed commit (listed once per task from the host's copy)."""

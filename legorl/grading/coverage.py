@@ -13,10 +13,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from legorl.grading import harbor
 from legorl.grading.container import GradingInfraError
 from legorl.grading.grader import Grader
-from legorl.schemas import TaskRow
+from legorl.schemas import HARBOR, TaskRow
 
 CHECKED, NEGATIONS_ONLY, TRIPWIRES_ONLY, TEST_SH, ERROR = (
     "canaries", "negations only", "tripwires only", "test.sh only", "error")
@@ -55,10 +54,10 @@ def task_canaries(grader: Grader, task: TaskRow) -> TaskCanaries:
     """``task``'s canaries under this host's key (found once per task and cached; one gold run tells
     their forms)."""
     tests = len(task.FAIL_TO_PASS)
-    if task.grader == harbor.HARBOR:
+    if task.grader == HARBOR:
         return TaskCanaries(task.instance_id, tests, harbor=True)
     try:
-        values, negations = grader.canary_forms(task)
+        values, negations = grader.canaries.forms(task)
     except GradingInfraError as e:
         return TaskCanaries(task.instance_id, tests, error=str(e)[:500])
     return TaskCanaries(task.instance_id, tests, tuple(values), tuple(negations))

@@ -33,13 +33,14 @@ import json
 import math
 import secrets
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import TYPE_CHECKING
 
-from legorl.grading.container import INFRA_SLACK_S, GradingInfraError, Run
+from legorl.grading.container import INFRA_SLACK_S, GradingContainers, GradingInfraError, Run
+from legorl.grading.options import GradeOptions
 from legorl.grading.patches import touched_paths
-from legorl.grading.report import F2P
+from legorl.grading.report import F2P, zero
 from legorl.grading.script import (
     APPLY_METHODS,
     APPLY_TIMEOUT_S,
@@ -51,13 +52,9 @@ from legorl.grading.script import (
     patch_apply_block,
     read_events,
 )
-from legorl.sandbox.base import ExecResult, SandboxSpec
+from legorl.sandbox.base import SandboxSpec
 from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 
-if TYPE_CHECKING:
-    from legorl.grading.grader import Grader
-
-HARBOR = "harbor"
 REWARD_FILES = ("reward.txt", "reward.json")  # Harbor's precedence: reward.txt first
 MAX_REWARD_BYTES = 65_536
 _UNPACK = f"tar -x -i --no-same-owner -C / -f - && exec bash {WORK}/harbor.sh"
@@ -233,76 +230,84 @@ class HarborRun:
         return problem
 
 
-def run_grade(grader: Grader, task: TaskRow, patch: str) -> HarborRun:
-    """``patch`` graded by the task's test.sh in one fresh container."""
-    if not task.hidden_tests or not task.workdir:
-        raise GradingInfraError(f"task {task.instance_id}: a harbor task row needs hidden_tests and workdir")
-    options = grader.options
-    timeout = task.test_timeout or options.test_timeout
-    nonce = secrets.token_hex(16)
-    files = {
-        "harbor.sh": harbor_script(nonce, workdir=task.workdir, command=task.test_command or "bash /tests/test.sh",
-                                   timeout=timeout, has_patch=bool(patch.strip())),
-        "patch.diff": patch,
-        "tests.b64": task.hidden_tests,
-        "judge.py": resources.files("legorl.grading.sandboxed").joinpath("judge.py").read_text(),
-        "harbor_judge.py": JUDGE_WRAPPER,
-        "judge.json": json.dumps({"tree": task.workdir, "pristine": f"{WORK}/pristine", "hidden": [],
-                                  "changes": f"{WORK}/changes.json", "gold": touched_paths(task.patch)}),
-    }
-    limit = timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
-    spec = SandboxSpec(image=grader.containers.image_for(task), labels={"role": "grade", **options.labels},
-                       network=False, memory=options.memory, cpus=options.cpus, workdir=task.workdir,
-                       deadline_s=limit + INFRA_SLACK_S, tmpfs=(("/tmp", "size=2g,mode=1777"),), cache_isolation=True)
-    argv = ["sh", "-c", _UNPACK]
-    # the grader's own way of running one container (podman's run_once, else create + exec)
-    run_once = grader.containers._run_once
-    res: ExecResult
-    if run_once is not None:
-        res = run_once(spec, argv, stdin=bundle(files), timeout=limit)
-    else:
-        box = grader.containers._create(spec)
-        try:
-            res = box.exec(argv, timeout=limit, stdin=bundle(files))  # type: ignore[call-arg]
-        finally:
-            box.remove()
-    events = read_events(res.output, nonce)
-    return HarborRun(Run(res, events.seen, events.test_output, None, None, "shell"), events, timeout)
+class HarborTests:
+    """The grading of Harbor tasks: their own test.sh decides."""
 
+    def __init__(self, options: GradeOptions, containers: GradingContainers,
+                 after_patch: Callable[[TaskRow, GradeRow, str], None]):
+        self.options = options
+        self.containers = containers
+        self.after_patch = after_patch  # a run that broke after the patch went in: the control run decides
 
-def grade(grader: Grader, task: TaskRow, patch: str, out: GradeRow) -> None:
-    """Grade ``patch`` on a Harbor task into ``out`` (the checks of the patch text are the grader's)."""
-    hr = run_grade(grader, task, patch)
-    out.log = hr.run.result.output
-    if "apply_failed" in hr.events:
-        grader._zero(out, GradeStatus.PATCH_APPLY_FAILED, "the patch did not apply by any method", task)
-        return
-    if "ready" not in hr.events:
-        raise GradingInfraError(hr.run.before_patch_error())
-    out.apply_method = next((line[len(">>>>> Applied Patch ("):-1] for line in out.log.splitlines()
-                             if line.startswith(">>>>> Applied Patch (")), None)
-    judged = _json_event(hr.events, "judged")
-    if judged is not None:
-        reset = [r for r in judged.get("reset", []) if isinstance(r, list) and len(r) == 2]
-        out.dropped_paths = sorted({str(path) for path, _why in reset})
-        out.suspicious = [str(s) for s in judged.get("suspicious", [])][:50]
-    if "tests_end" in hr.events and hr.timed_out():
-        grader._zero(out, GradeStatus.TEST_TIMEOUT, f"test.sh ran past {hr.timeout:g} s", task)
-        return
-    failure = hr.failure()
-    if failure is not None:
-        grader._failed_after_patch(task, out, failure)
-        return
-    reward, _ = parse_reward(hr.events)
-    assert reward is not None
-    passed = reward == 1.0
-    out.reward, out.resolved = reward, passed
-    out.resolution = Resolution.FULL if passed else Resolution.PARTIAL if reward > 0 else Resolution.NO
-    if passed and out.suspicious and grader.options.suspicious_scores_zero:
-        out.status, out.reward, out.resolved, out.resolution = GradeStatus.SUSPICIOUS, 0.0, False, Resolution.NO
-        out.error = f"test.sh gave 1, but the patch's code reaches into the test runner ({out.suspicious[0]})"
-    out.tests = [TestResult(name=name, kind=F2P, status="PASSED" if passed else "FAILED", passed=passed)
-                 for name in task.FAIL_TO_PASS]
+    def run(self, task: TaskRow, patch: str) -> HarborRun:
+        """``patch`` graded by the task's test.sh in one fresh container."""
+        if not task.hidden_tests or not task.workdir:
+            raise GradingInfraError(f"task {task.instance_id}: a harbor task row needs hidden_tests and workdir")
+        options = self.options
+        timeout = task.test_timeout or options.test_timeout
+        nonce = secrets.token_hex(16)
+        files = {
+            "harbor.sh": harbor_script(nonce, workdir=task.workdir, command=task.test_command or "bash /tests/test.sh",
+                                       timeout=timeout, has_patch=bool(patch.strip())),
+            "patch.diff": patch,
+            "tests.b64": task.hidden_tests,
+            "judge.py": resources.files("legorl.grading.sandboxed").joinpath("judge.py").read_text(),
+            "harbor_judge.py": JUDGE_WRAPPER,
+            "judge.json": json.dumps({"tree": task.workdir, "pristine": f"{WORK}/pristine", "hidden": [],
+                                      "changes": f"{WORK}/changes.json", "gold": touched_paths(task.patch)}),
+        }
+        limit = timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
+        spec = SandboxSpec(image=self.containers.image_for(task), labels={"role": "grade", **options.labels},
+                           network=False, memory=options.memory, cpus=options.cpus, workdir=task.workdir,
+                           deadline_s=limit + INFRA_SLACK_S, tmpfs=(("/tmp", "size=2g,mode=1777"),), cache_isolation=True)
+        res = self.containers.run_container(spec, ["sh", "-c", _UNPACK], bundle(files), limit)
+        events = read_events(res.output, nonce)
+        return HarborRun(Run(res, events.seen, events.test_output, None, None, "shell"), events, timeout)
+
+    def grade(self, task: TaskRow, patch: str, out: GradeRow) -> None:
+        """Grade ``patch`` on a Harbor task into ``out`` (the checks of the patch text are the grader's)."""
+        hr = self.run(task, patch)
+        out.log = hr.run.result.output
+        if "apply_failed" in hr.events:
+            zero(out, GradeStatus.PATCH_APPLY_FAILED, "the patch did not apply by any method", task)
+            return
+        if "ready" not in hr.events:
+            raise GradingInfraError(hr.run.before_patch_error())
+        out.apply_method = next((line[len(">>>>> Applied Patch ("):-1] for line in out.log.splitlines()
+                                 if line.startswith(">>>>> Applied Patch (")), None)
+        judged = _json_event(hr.events, "judged")
+        if judged is not None:
+            reset = [r for r in judged.get("reset", []) if isinstance(r, list) and len(r) == 2]
+            out.dropped_paths = sorted({str(path) for path, _why in reset})
+            out.suspicious = [str(s) for s in judged.get("suspicious", [])][:50]
+        if "tests_end" in hr.events and hr.timed_out():
+            zero(out, GradeStatus.TEST_TIMEOUT, f"test.sh ran past {hr.timeout:g} s", task)
+            return
+        failure = hr.failure()
+        if failure is not None:
+            self.after_patch(task, out, failure)
+            return
+        reward, _ = parse_reward(hr.events)
+        assert reward is not None
+        passed = reward == 1.0
+        out.reward, out.resolved = reward, passed
+        out.resolution = Resolution.FULL if passed else Resolution.PARTIAL if reward > 0 else Resolution.NO
+        if passed and out.suspicious and self.options.suspicious_scores_zero:
+            out.status, out.reward, out.resolved, out.resolution = GradeStatus.SUSPICIOUS, 0.0, False, Resolution.NO
+            out.error = f"test.sh gave 1, but the patch's code reaches into the test runner ({out.suspicious[0]})"
+        out.tests = [TestResult(name=name, kind=F2P, status="PASSED" if passed else "FAILED", passed=passed)
+                     for name in task.FAIL_TO_PASS]
+
+    def control_problem(self, task: TaskRow) -> str | None:
+        """The control run (the gold patch, else the empty one): None when it yields a reward, else why not."""
+        hr = self.run(task, task.patch or "")
+        if "ready" not in hr.events:
+            return hr.run.before_patch_error()
+        if "apply_failed" in hr.events:
+            return "the task's gold patch does not apply"
+        if "tests_end" in hr.events and hr.timed_out():
+            return f"test.sh ran past {hr.timeout:g} s"
+        return hr.failure()
 
 
 def _json_event(events: Events, name: str) -> dict[str, list[object]] | None:
@@ -311,15 +316,3 @@ def _json_event(events: Events, name: str) -> dict[str, list[object]] | None:
     except (json.JSONDecodeError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def control_problem(grader: Grader, task: TaskRow) -> str | None:
-    """The control run (the gold patch, else the empty one): None when it yields a reward, else why not."""
-    hr = run_grade(grader, task, task.patch or "")
-    if "ready" not in hr.events:
-        return hr.run.before_patch_error()
-    if "apply_failed" in hr.events:
-        return "the task's gold patch does not apply"
-    if "tests_end" in hr.events and hr.timed_out():
-        return f"test.sh ran past {hr.timeout:g} s"
-    return hr.failure()

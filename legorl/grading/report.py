@@ -13,7 +13,8 @@ task's ``gold_statuses``, or a gold run the grader makes once):
 
 FULL iff every F2P test passes and every P2P test is maintained (an empty list counts as all);
 PARTIAL iff some but not all F2P tests pass and every P2P test is maintained; NO otherwise. Only
-FULL is "resolved", and the reward is 1.0 for FULL, 0.0 otherwise.
+FULL is "resolved", and the reward is 1.0 for FULL, 0.0 otherwise. A grade that never reached a
+verdict is :func:`zero` (the patch's outcome) or :func:`infra` (no reward either way).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from legorl.grading.logparse import TestStatuses
-from legorl.schemas import Resolution, TestResult
+from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 
 F2P = "FAIL_TO_PASS"
 P2P = "PASS_TO_PASS"
@@ -92,3 +93,18 @@ def failed_report(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], stat
     tests = [TestResult(name=n, kind=F2P, status=status, passed=False) for n in fail_to_pass]
     tests += [TestResult(name=n, kind=P2P, status=status, passed=False) for n in pass_to_pass]
     return TestReport(tests, Resolution.NO)
+
+
+def zero(out: GradeRow, status: GradeStatus, error: str, task: TaskRow, test_status: str = MISSING) -> None:
+    """``out`` scored 0 with ``status``: the patch's outcome, every listed test at ``test_status``."""
+    report = failed_report(task.FAIL_TO_PASS, task.PASS_TO_PASS, test_status)
+    out.status, out.error, out.tests = status, error, report.tests
+    out.reward, out.resolved, out.resolution = 0.0, False, Resolution.NO
+
+
+def infra(out: GradeRow, error: str) -> None:
+    """``out`` an infrastructure failure: no reward either way (its first line says why)."""
+    out.status = GradeStatus.INFRA_ERROR
+    out.infra_failure = True
+    out.reward = out.resolved = out.resolution = None
+    out.error = error.splitlines()[0] if error.strip() else "infrastructure error"

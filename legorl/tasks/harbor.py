@@ -43,10 +43,9 @@ from typing import Any
 
 from legorl import shards
 from legorl.errors import LegorlError
-from legorl.schemas import Kind, TaskRow
+from legorl.schemas import HARBOR, Kind, TaskRow
 from legorl.tasks.importer import ImportResult
 
-HARBOR = "harbor"  # TaskRow.grader of these tasks
 TEST_SCRIPT = "tests/test.sh"  # the one "test" of a Harbor task, as grade rows name it
 IMAGE_REPO = "localhost/legorl-harbor"
 LAYER_VERSION = "1"  # bump when the layer below changes (it is part of the image's hash)

@@ -43,6 +43,6 @@ def test_notes_kept_between_grades_never_score(task_id: str, base_image: str, tm
     code = PAYLOAD.read_text().replace("TOKEN", secrets.token_hex(4))  # notes of earlier test runs do not count
     patch = tree.diff({MODULE[repo]: code, **tree.append(INIT[repo], "from . import _notes  # noqa")})
     grader = Grader(GradeOptions(test_timeout=120))
-    assert grader.canaries(task, grader.canary_seed(task)), f"{task_id} has no canary"
+    assert grader.canaries.of(task, grader.canaries.seed(task)), f"{task_id} has no canary"
     rows = [grader.grade(task, patch) for _ in range(GRADES)]
     assert [(r.reward, r.infra_failure) for r in rows] == [(0.0, False)] * GRADES, "\n".join(map(describe, rows))

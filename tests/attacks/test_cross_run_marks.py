@@ -8,7 +8,7 @@ page cache of a file in the image layer every grading container reads (pages loa
 Both scored 1 on four tasks of four repositories against the grader whose canaries all sat in the
 second run. Now the keyring calls are denied (``podman_run.seccomp_profile``), every page of the image
 is cached before each grading container (``sandbox/pagecache.py``), and the canaries are split
-between the two runs (``grader.halves``).
+between the two runs (``canaries.halves``).
 
 Each attack is graded twice: as the grader splits the canaries, and in the forger's best case (every
 canary in the second run), where only the closed channels stop it. The payloads are the red team's,
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from grading_support import Tree, describe, shipped_tasks
 
-from legorl.grading import grader as grader_module
+from legorl.grading import hidden_tests
 from legorl.grading.grader import GradeOptions, Grader
 
 pytestmark = pytest.mark.podman
@@ -46,14 +46,14 @@ def _patch(payload: str, task_id: str, root: Path) -> str:
 def forgers_best_case(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every canary in the second run, the first with none: the forger forges everything in the first
     run and, if its mark reaches the second, only what it saw there."""
-    monkeypatch.setattr(grader_module, "halves", lambda canaries, seed: ({}, dict(canaries)))
+    monkeypatch.setattr(hidden_tests, "halves", lambda canaries, seed: ({}, dict(canaries)))
 
 
 @pytest.mark.parametrize(("payload", "task_id"), ATTACKS, ids=[f"{p}-{t.split('__')[0]}" for p, t in ATTACKS])
 def test_a_mark_carried_between_runs_never_scores(payload: str, task_id: str, base_image: str, tmp_path: Path) -> None:
     task = shipped_tasks()[task_id]
     grader = Grader(GradeOptions(test_timeout=120))
-    grader.canaries(task, grader.canary_seed(task))  # found before the clock of any run below
+    grader.canaries.of(task, grader.canaries.seed(task))  # found before the clock of any run below
     row = grader.grade(task, _patch(payload, task_id, tmp_path / "repo"))
     assert (row.reward, row.infra_failure) == (0.0, False), describe(row)
 
@@ -63,8 +63,8 @@ def test_a_mark_carried_between_runs_never_scores_in_the_forgers_best_case(
         payload: str, task_id: str, base_image: str, tmp_path: Path, forgers_best_case: None) -> None:
     task = shipped_tasks()[task_id]
     grader = Grader(GradeOptions(test_timeout=120))
-    grader.canaries(task, grader.canary_seed(task))
-    assert grader.canaries(task, grader.canary_seed(task)), f"{task_id} has no canary"
+    grader.canaries.of(task, grader.canaries.seed(task))
+    assert grader.canaries.of(task, grader.canaries.seed(task)), f"{task_id} has no canary"
     row = grader.grade(task, _patch(payload, task_id, tmp_path / "repo"))
     assert (row.reward, row.infra_failure) == (0.0, False), describe(row)
     assert row.status == "tampered", describe(row)

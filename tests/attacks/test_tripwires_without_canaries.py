@@ -35,7 +35,7 @@ ATTACKS = [(p, t) for p in ("plugin_named_json", "recorder_rewrite")
 def test_a_forgery_the_tripwires_see_scores_0(payload: str, task_id: str, base_image: str, tmp_path: Path) -> None:
     task = shipped_tasks()[task_id]
     grader = Grader(GradeOptions(test_timeout=120))
-    assert not grader.canaries(task, grader.canary_seed(task)), f"{task_id} has canaries now: pick a task without"
+    assert not grader.canaries.of(task, grader.canaries.seed(task)), f"{task_id} has canaries now: pick a task without"
     tree = Tree(task, tmp_path / "repo")
     row = grader.grade(task, tree.diff(tree.append(INIT[task_id.split("__")[0]], (PAYLOADS / f"{payload}.txt").read_text())))
     assert (row.reward, row.infra_failure) == (0.0, False), describe(row)

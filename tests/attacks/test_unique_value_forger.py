@@ -34,6 +34,6 @@ def test_forging_only_unique_expected_values_never_scores(task_id: str, base_ima
     files = {init: tree.read(init).rstrip("\n") + "\n\nfrom . import _fx  # noqa: E402\n_fx.install()\n",
              f"{TASKS[task_id]}/_fx.py": PAYLOAD.read_text()}
     grader = Grader(GradeOptions(test_timeout=120))
-    assert grader.canaries(task, grader.canary_seed(task)), f"{task_id} has no canary"
+    assert grader.canaries.of(task, grader.canaries.seed(task)), f"{task_id} has no canary"
     row = grader.grade(task, tree.diff(files))
     assert (row.reward, row.infra_failure) == (0.0, False), describe(row)
