@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from legorl.engines.base import SamplingParams, TokenChunk
 from legorl.engines.embedded import EmbeddedEngine
 from legorl.engines.scripted import ScriptedEngine
-from legorl.proxy.app import session_route
+from legorl.proxy.asgi import session_route
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.clients import RemoteProxy
 from legorl.proxy.server import ProxyServer

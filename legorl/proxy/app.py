@@ -34,14 +34,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from legorl.errors import LegorlError
+from legorl.proxy.asgi import (
+    SSE_HEADERS,
+    Disconnected,
+    Receive,
+    Scope,
+    Send,
+    not_found,
+    parse_json,
+    read_body,
+    require,
+    send_api_error,
+    send_json,
+    session_route,
+    split,
+)
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.core import (
     Api,
@@ -54,47 +68,13 @@ from legorl.proxy.core import (
     cannot_fit,
 )
 from legorl.proxy.frontends import BY_ROUTE, COUNT_ROUTES, FRONT_ENDS, FrontEnd, errors_for
-from legorl.proxy.limits import BodyMeter, ProxyLimits, SessionLoad, check_items, check_request
+from legorl.proxy.limits import ProxyLimits, SessionLoad, check_items, check_request
 from legorl.proxy.sessions import Session
-from legorl.proxy.validate import SURROGATE_ESCAPE, BadRequest, without_lone_surrogates
-from legorl.proxy.wire import dumps
+from legorl.proxy.validate import BadRequest
 
 log = logging.getLogger("legorl.proxy")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
-_JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_MODEL_ROUTES = frozenset({*BY_ROUTE, *COUNT_ROUTES, "/v1/models", "/models"})
-
-
-def session_route(path: str, session_id: str) -> str | None:
-    """The model route ``path`` names under ``/sess/<session_id>``, or None: the whole of what a
-    session-bound socket serves (no other session, no trajectory/finish, no admin routes)."""
-    prefix = f"/sess/{session_id}"
-    if path.startswith(prefix) and path[len(prefix):] in _MODEL_ROUTES:
-        return path[len(prefix):]
-    return None
-
-
-async def not_found(send: Send, path: str) -> None:
-    """The 404 a session-bound socket answers for anything but its own session's model routes."""
-    await _error(send, errors_for(path), 404, "not found on this session's socket", code="not_found")
-
-
-async def send_error(send: Send, path: str, exc: BadRequest) -> None:
-    """``exc`` answered in the error format of the API ``path`` names."""
-    await _error(send, errors_for(path), exc.status, exc.message, exc.param, exc.code)
-
-
-class Disconnected(Exception):
-    pass
-
-
 class ProxyApp:
     def __init__(self, core: ProxyCore, api_key: str | None = None, auto_create: bool = True,
                  single_session: bool = False, limits: ProxyLimits | None = None):
@@ -135,44 +115,44 @@ class ProxyApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        fe = BY_ROUTE.get(_split(path)[1]) or errors_for(path)  # who answers its errors
+        fe = BY_ROUTE.get(split(path)[1]) or errors_for(path)  # who answers its errors
         try:
             await self._route(scope, receive, send, path, method, bound)
         except BadRequest as exc:
-            await _error(send, fe, exc.status, exc.message, exc.param, exc.code)
+            await send_api_error(send, fe, exc.status, exc.message, exc.param, exc.code)
         except ContextOverflow as exc:
             over = fe.overflow(str(exc))
-            await _error(send, fe, over.status, over.message, over.param, over.code)
+            await send_api_error(send, fe, over.status, over.message, over.param, over.code)
         except Disconnected:
             pass
         except Exception as exc:  # a bug or an engine failure: a server error, logged, never a hang
             log.exception("proxy request %s %s failed", method, path)
-            await _error(send, fe, 500, f"internal error: {type(exc).__name__}: {exc}")
+            await send_api_error(send, fe, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ routing
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, path: str, method: str,
                      bound: str | None) -> None:
         if path == "/health":
-            await _json(send, 200, {"status": "ok", "model": self.core.engine.name,
+            await send_json(send, 200, {"status": "ok", "model": self.core.engine.name,
                                     "sessions": len(self.core.sessions), **self.core.engine_status()})
             return
         if bound is None:
             self._check_key(scope)
-        session_id, sub = _split(path)
+        session_id, sub = split(path)
         if session_id is not None and not _SESSION_ID.match(session_id):
             raise BadRequest("malformed session id in the URL", status=404, code="not_found")
         if sub in ("/v1/models", "/models"):
-            _require(method, "GET")
-            await _json(send, 200, self._models())
+            require(method, "GET")
+            await send_json(send, 200, self._models())
             return
         if session_id is None and sub == "/sessions":
-            _require(method, "POST")
+            require(method, "POST")
             await self._create_session(scope, await read_body(receive, self.max_body, allow_empty=True), send)
             return
         fe = BY_ROUTE.get(sub)
         if fe is not None:
-            _require(method, "POST")
+            require(method, "POST")
             if session_id is None and not self.single_session:
                 raise BadRequest(
                     f"{path} names no session: use the base URL /sess/<id>/v1 (OpenAI) or /sess/<id> "
@@ -184,7 +164,7 @@ class ProxyApp:
                 await self._chat(send, session, req, opts, fe)
             return
         if sub in COUNT_ROUTES:
-            _require(method, "POST")
+            require(method, "POST")
             with self.load.call(session_id or "default") as meter:
                 req, _ = await self._parse(await read_body(receive, self.max_body, meter=meter),
                                            FRONT_ENDS[Api.MESSAGES])
@@ -192,20 +172,20 @@ class ProxyApp:
                 # one count at a time per session, as its calls go: the renders share one thread pool
                 async with counted.lock if counted is not None else contextlib.nullcontext():
                     tokens = await asyncio.to_thread(self._count, req)  # CPU work
-                await _json(send, 200, {"input_tokens": tokens})
+                await send_json(send, 200, {"input_tokens": tokens})
             return
         if session_id is not None and (sub == "/trajectory" or sub == "/"):
             if sub == "/" and method == "DELETE":
                 await self._finish(send, session_id)
                 return
-            _require(method, "GET")
+            require(method, "GET")
             found = self.core.get(session_id)
             if found is None:
                 raise BadRequest(f"unknown session {session_id}", status=404, code="not_found")
-            await _json(send, 200, found.capture().to_json())
+            await send_json(send, 200, found.capture().to_json())
             return
         if session_id is not None and sub == "/finish":
-            _require(method, "POST")
+            require(method, "POST")
             await self._finish(send, session_id)
             return
         raise BadRequest(f"no route {method} {path}", status=404, code="not_found")
@@ -246,7 +226,7 @@ class ProxyApp:
         return len(self.core.renderer.encode(text))
 
     async def _create_session(self, scope: Scope, raw: bytes, send: Send) -> None:
-        body = _parse_json(raw) if raw.strip() else {}
+        body = parse_json(raw) if raw.strip() else {}
         if not isinstance(body, dict):
             raise BadRequest("body: expected an object")
         try:
@@ -262,14 +242,14 @@ class ProxyApp:
             if name == b"host":
                 host = value.decode("latin-1")
         base = f"http://{host}/sess/{session.id}"
-        await _json(send, 200, {"session_id": session.id, "base_url": base, "openai_base_url": base + "/v1",
+        await send_json(send, 200, {"session_id": session.id, "base_url": base, "openai_base_url": base + "/v1",
                                 "anthropic_base_url": base, "budgets": session.budgets.to_dict()})
 
     async def _finish(self, send: Send, session_id: str) -> None:
         capture = self.core.finish(session_id)
         if capture is None:
             raise BadRequest(f"unknown session {session_id}", status=404, code="not_found")
-        await _json(send, 200, capture.to_json())
+        await send_json(send, 200, capture.to_json())
 
     # ------------------------------------------------------------------ model calls
 
@@ -280,7 +260,7 @@ class ProxyApp:
         return await asyncio.get_running_loop().run_in_executor(self._parser, self._read_request, raw, fe)
 
     def _read_request(self, raw: bytes, fe: FrontEnd) -> tuple[ChatRequest, Any]:
-        body = _parse_json(raw)
+        body = parse_json(raw)
         check_request(body, self.limits, fe.items_key, fe.stop_key, fe.system_key)
         read: tuple[ChatRequest, Any]
         try:
@@ -303,7 +283,7 @@ class ProxyApp:
         renderer = self.core.renderer
         events = self.core.call(session, req)
         if not req.stream:
-            await _json(send, 200, fe.respond(await _consume(events), opts, renderer))
+            await send_json(send, 200, fe.respond(await _consume(events), opts, renderer))
             return
         stream = fe.stream(opts, renderer)
         started = False
@@ -323,7 +303,7 @@ class ProxyApp:
             async for ev in events:
                 if not started:
                     started = True
-                    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
                     await emit(stream.start(ev.prompt_tokens if isinstance(ev, Started) else 0))
                 if isinstance(ev, TextDelta):
                     streamed += ev.text
@@ -338,14 +318,6 @@ class ProxyApp:
         if alive:
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _split(path: str) -> tuple[str | None, str]:
-    """``(session id, route)`` of ``/sess/<id>/<route>``; ``(None, path)`` of any other path."""
-    if not path.startswith("/sess/"):
-        return None, path
-    session_id, _, rest = path[6:].partition("/")
-    return session_id, "/" + rest
 
 
 def _prepare(session: Session) -> None:
@@ -365,61 +337,3 @@ async def _consume(events: Any) -> CallResult:
     return result
 
 
-def _require(method: str, expected: str) -> None:
-    if method != expected:
-        raise BadRequest(f"method {method} not allowed here (use {expected})", status=405, code="method_not_allowed")
-
-
-def _parse_json(raw: bytes) -> Any:
-    """The body as JSON: strict UTF-8, and every string (keys too) made valid Unicode.
-
-    JSON's ``\\uD800`` escapes can spell lone UTF-16 surrogates, which no UTF-8 writer accepts (a
-    response echoing the model name, a capture holding a tool-call id, a shard): each one becomes
-    U+FFFD here, before anything reads the body, as a lenient decoder would.
-    """
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"the body is not UTF-8: {exc}") from None
-    try:
-        body = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}") from None
-    return without_lone_surrogates(body) if SURROGATE_ESCAPE.search(text) else body
-
-
-async def read_body(receive: Receive, limit: int, allow_empty: bool = False, meter: BodyMeter | None = None) -> bytes:
-    """The request's body, at most ``limit`` bytes (a 413); each chunk is charged to ``meter`` (a
-    session's bytes in flight: a 429 past its limit) before it is kept."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise Disconnected()
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(f"request body over {limit} bytes", status=413, code="request_too_large")
-        if meter is not None:
-            meter.take(len(chunk))
-        chunks.append(chunk)
-        if not msg.get("more_body", False):
-            break
-    raw = b"".join(chunks)
-    if not raw and not allow_empty:
-        raise BadRequest("empty request body: expected JSON")
-    return raw
-
-
-async def _json(send: Send, status: int, data: Any) -> None:
-    body = dumps(data)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _error(send: Send, fe: FrontEnd, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
-    with contextlib.suppress(Exception):  # headers already sent or client gone
-        await _json(send, status, fe.error(status, message, param, code))

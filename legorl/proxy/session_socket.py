@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from legorl.errors import LegorlError
-from legorl.proxy.app import (
+from legorl.proxy.asgi import (
     Disconnected,
     Receive,
     Scope,
