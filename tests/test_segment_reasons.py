@@ -31,9 +31,10 @@ from legorl.engines.base import Generation, SamplingParams
 from legorl.engines.scripted import ScriptedEngine
 from legorl.proxy import anthropic_api, openai_api, responses_api
 from legorl.proxy.budgets import Budgets
+from legorl.proxy.history import same_prompt
 from legorl.proxy.render import ChatRenderer
 from legorl.proxy.server import ProxyServer
-from legorl.proxy.sessions import Session, SessionCapture, same_prompt
+from legorl.proxy.sessions import Session, SessionCapture
 
 RECORDED = Path(__file__).parent / "recorded" / "harness_requests"
 ROUTES = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions", "responses": "/v1/responses"}

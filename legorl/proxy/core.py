@@ -26,8 +26,9 @@ from legorl.engines.watched import WatchedEngine
 from legorl.errors import LegorlError
 from legorl.proxy import budgets as B
 from legorl.proxy.budgets import Budgets
+from legorl.proxy.history import Message
 from legorl.proxy.render import ChatRenderer
-from legorl.proxy.sessions import InFlight, Message, Plan, Session, SessionCapture, new_session_id
+from legorl.proxy.sessions import InFlight, Plan, Session, SessionCapture, new_session_id
 from legorl.proxy.textstream import TextAssembler
 from legorl.proxy.toolparse import ParsedOutput, ToolCall, ToolParser, detect_parser
 from legorl.proxy.validate import BadRequest
