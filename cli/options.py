@@ -26,14 +26,9 @@ text it reads back: ``str``) and exits; fed back with ``--config`` it gives the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
-import enum
 import functools
 import inspect
-import json
-import math
 import re
 import sys
 import types
@@ -45,11 +40,19 @@ from typing import Annotated, Any, Literal
 
 import typer
 
+from legorl.cli.config_files import (
+    Format,
+    Setting,
+    dump_config,
+    file_format,
+    own_setting,
+    read_config,
+    sequence_type,
+    shown,
+)
 from legorl.errors import ConfigError, LegorlError
 
 HELP, ALIASES, PARSE = "help", "aliases", "parse"
-Format = Literal["yaml", "toml"]
-FORMATS: dict[str, Format] = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}
 FILE_PARAMS = ("config_file", "print_config", "print_format")  # the options with_configs adds for config files
 PANEL = "Config file"
 _LOADED = "legorl.config"  # ctx.meta: (path, {parameter: the value as the file wrote it})
@@ -114,7 +117,7 @@ class ConfigOptions:
                 continue
             if parse is not None and isinstance(value, str):
                 value = parse(value)
-            elif (sequence := _sequence_type(_hint(self.cls, f))) is not None and isinstance(value, str):
+            elif (sequence := sequence_type(_hint(self.cls, f))) is not None and isinstance(value, str):
                 value = sequence(v.strip() for v in value.split(",") if v.strip())
             out[f.name] = value
         return out
@@ -147,14 +150,6 @@ def _hint(cls: type, f: dataclasses.Field[Any]) -> Any:
     return eval(f.type, vars(sys.modules[owner.__module__]))
 
 
-def _sequence_type(hint: Any) -> type | None:
-    """``list`` or ``tuple`` for a (possibly optional) list/tuple field: given as "a,b" on the CLI."""
-    for candidate in (hint, *typing.get_args(hint)):
-        if typing.get_origin(candidate) in (list, tuple):
-            return typing.get_origin(candidate)
-    return None
-
-
 def _field_default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -177,7 +172,7 @@ def _option_type(f: dataclasses.Field[Any], hint: Any, flags: list[str]) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         optional = len(args) < len(typing.get_args(hint))
         base = args[0] if len(args) == 1 else str
-    if f.metadata.get(PARSE) is not None or _sequence_type(base) is not None:
+    if f.metadata.get(PARSE) is not None or sequence_type(base) is not None:
         base = str  # parsed from its command-line text by ConfigOptions.build
     elif not (base in (int, float, str, bool, Path) or typing.get_origin(base) is Literal):
         raise TypeError(f"{f.name}: a CLI option needs a 'parse' function for type {hint!r}")
@@ -197,7 +192,7 @@ def with_configs(**configs: ConfigOptions) -> Callable[[Callable[..., Any]], Cal
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
                for name, p in inspect.signature(command, eval_str=True).parameters.items() if name not in configs]
         generated = [p for spec in configs.values() for p in spec.parameters()]
-        settings = [s for spec in configs.values() for s in spec.settings()] + [_own_setting(p) for p in own]
+        settings = [s for spec in configs.values() for s in spec.settings()] + [own_setting(p) for p in own]
         for what, names in (("options", [p.name for p in own + generated] + [*FILE_PARAMS, "cli_context"]),
                             ("config file keys", [s.key for s in settings])):
             clashes = {n for n in names if names.count(n) > 1}
@@ -239,7 +234,7 @@ def with_configs(**configs: ConfigOptions) -> Callable[[Callable[..., Any]], Cal
                          **{p.name: values[p.name] for p in own}}
                 chosen = [(s, shown[s.param]) for s in settings
                           if _source(ctx, s.param) != "ENVIRONMENT"]
-                typer.echo(dump_config(chosen, fmt or (_format(path) if path else "yaml"), ctx.command_path), nl=False)
+                typer.echo(dump_config(chosen, fmt or (file_format(path) if path else "yaml"), ctx.command_path), nl=False)
                 return None
             built = {}
             for name, spec in configs.items():
@@ -256,170 +251,6 @@ def with_configs(**configs: ConfigOptions) -> Callable[[Callable[..., Any]], Cal
         return run
 
     return decorate
-
-
-# --------------------------------------------------------------------------- config files
-
-@dataclass(frozen=True)
-class Setting:
-    """One option as a config file gives it: its key is the option's name, ``max_turns`` (or ``max-turns``)."""
-
-    param: str  # the command's parameter (and click's name for it)
-    hint: Any  # the value's type
-    flags: tuple[str, ...]  # the option's names on the command line, its own first
-    default: Any  # inspect.Parameter.empty: required
-    parse: Callable[[str], Any] | None = None
-    repeated: bool = False  # a command's own list option, given once per item (``--compare a --compare b``)
-
-    @property
-    def key(self) -> str:
-        return self.flags[0].removeprefix("--").replace("-", "_") if self.flags else self.param
-
-
-def _own_setting(p: inspect.Parameter) -> Setting:
-    """A command's own option (``--model``, ``--json``) as a config file gives it."""
-    hint, info, default = p.annotation, p.default, p.default
-    decls: tuple[str, ...] = ()
-    if typing.get_origin(hint) is Annotated:
-        hint, info = typing.get_args(hint)[0], typing.get_args(hint)[1]
-        if isinstance(info, typer.models.OptionInfo) and info.default is not ...:
-            decls = (str(info.default),)  # typer.Option("--json") in Annotated: a name, not a default
-    elif isinstance(info, typer.models.ParameterInfo):
-        default = info.default
-    decls += tuple(getattr(info, "param_decls", None) or ())
-    if isinstance(info, typer.models.ArgumentInfo):
-        flags: tuple[str, ...] = ()
-    else:
-        flags = tuple(d.split("/")[0] for d in decls if d.startswith("--")) or ("--" + p.name.replace("_", "-"),)
-    if default is ... or default is inspect.Parameter.empty:
-        default = inspect.Parameter.empty
-    return Setting(p.name, hint, flags, default, repeated=_sequence_type(hint) is not None)
-
-
-def _format(path: Path) -> Format:
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise ConfigError(f"{path}: a config file is YAML (.yaml, .yml) or TOML (.toml)")
-    return fmt
-
-
-def read_config(path: Path, settings: list[Setting], command: str) -> dict[str, tuple[Any, Any]]:
-    """The file's values by the command's parameter: each as written, and as its option takes it
-    (:func:`_cli_value`, which checks it as the option would)."""
-    import tomllib
-
-    import yaml
-
-    fmt = _format(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
-    try:
-        data = tomllib.loads(text) if fmt == "toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: not valid {fmt.upper()}: {' '.join(str(exc).split())}") from None
-    if data is None:  # an empty YAML file
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of option names to values, got {_shown(data)}")
-    by_key = {s.key: s for s in settings}
-    out: dict[str, tuple[Any, Any]] = {}
-    for key, value in data.items():
-        setting = by_key.get(str(key).replace("-", "_"))
-        if setting is None:
-            raise ConfigError(f"{path}: unknown key {key!r}: {_unknown(str(key), value, settings, command)}")
-        if setting.param in out:
-            raise ConfigError(f"{path}: {setting.key} is given twice")
-        try:
-            out[setting.param] = (value, _cli_value(value, setting))
-        except (LegorlError, ValueError) as exc:  # a parse function's own error, as the option would say it
-            raise ConfigError(f"{path}: {key}: {exc}") from None
-    return out
-
-
-def _unknown(key: str, value: Any, settings: list[Setting], command: str) -> str:
-    """What to write instead of an unknown key."""
-    flag = "--" + key.replace("_", "-")
-    for s in settings:
-        if flag in s.flags[1:]:
-            return f"{flag} is the command-line alias of {s.flags[0]}; the file names it {s.key}"
-    keys = [s.key for s in settings]
-    if isinstance(value, dict):
-        example = next((k for k in keys if k.startswith(key.replace("-", "_") + "_")), keys[0] if keys else "")
-        return f"the file is flat, one key per option, without sections (e.g. {example})"
-    close = difflib.get_close_matches(key.replace("-", "_"), keys, n=1)
-    return f"did you mean {close[0]}?" if close else f"`{command} --print-config` writes every key it takes"
-
-
-def _cli_value(value: Any, s: Setting) -> Any:
-    """A file's value as the option takes it: the text of one that ``parse`` reads or that is a list
-    ("a,b"), else the value itself; a LegorlError says what was expected."""
-    base, optional = _optional(s.hint)
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"expected {_expected(base, s)}, got null (it cannot be unset)")
-    if s.repeated:
-        items = value if isinstance(value, list) else [value]
-        if not all(_is_item(v) or isinstance(v, str) for v in items):
-            raise ConfigError(f"expected {_expected(base, s)}, got {_shown(value)}")
-        return [str(v) for v in items]
-    if s.parse is not None or _sequence_type(base) is not None:
-        if isinstance(value, list) and all(_is_item(v) for v in value):
-            text = ",".join(str(v) for v in value)
-        elif _is_item(value) or isinstance(value, str):
-            text = str(value)
-        else:
-            raise ConfigError(f"expected {_expected(base, s)}, got {_shown(value)}")
-        if s.parse is not None:
-            s.parse(text)
-        return text
-    if base is bool and isinstance(value, bool):
-        return value
-    if base is int and not isinstance(value, bool | float):
-        with contextlib.suppress(TypeError, ValueError):
-            return int(value)
-    if base is float and not isinstance(value, bool):
-        with contextlib.suppress(TypeError, ValueError):  # PyYAML reads 1e-6 (no dot) as text
-            return float(value)
-    textual = base in (str, Path) or typing.get_origin(base) is Literal
-    if textual and isinstance(value, str) and (base in (str, Path) or value in typing.get_args(base)):
-        return value
-    if not textual and base not in (bool, int, float):
-        return value  # another type a command's own option takes: click checks it
-    # YAML reads an unquoted yes/on as true, 007 as 7
-    quote = " (quote it)" if textual and isinstance(value, bool | int | float) else ""
-    raise ConfigError(f"expected {_expected(base, s)}, got {_shown(value)}{quote}")
-
-
-def _optional(hint: Any) -> tuple[Any, bool]:
-    """``(T, True)`` for ``T | None``, else ``(hint, False)``."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) < len(typing.get_args(hint)):
-            return (args[0] if len(args) == 1 else hint), True
-    return hint, False
-
-
-def _is_item(value: Any) -> bool:
-    """One item of a list an option takes as "a,b"."""
-    return isinstance(value, str | int | float) and not isinstance(value, bool) and "," not in str(value)
-
-
-def _expected(base: Any, s: Setting) -> str:
-    if s.parse is not None and _sequence_type(base) is None:
-        return f"text as {s.flags[0] if s.flags else s.param} takes it"
-    if _sequence_type(base) is not None:
-        return "a list (or comma-separated text)"
-    if typing.get_origin(base) is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(base))
-    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
-            Path: "a path (a string)"}.get(base, str(base))
-
-
-def _shown(value: Any) -> str:
-    return json.dumps(value, default=str, ensure_ascii=False)
 
 
 def _source(ctx: typer.Context, param: str) -> str:
@@ -460,53 +291,5 @@ def _blame(exc: LegorlError, spec: ConfigOptions, from_file: dict[str, Any], pat
     text = str(exc)
     named = {f: v for f, v in mine.items()
              if any(re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text) for n in spec.names(f))}
-    given = ", ".join(f"{spec.param_name(f)}: {_shown(v)}" for f, v in (named or mine).items())
+    given = ", ".join(f"{spec.param_name(f)}: {shown(v)}" for f, v in (named or mine).items())
     return ConfigError(f"{text} ({path} sets {given})")
-
-
-def _file_form(value: Any) -> Any:
-    """A value as a config file writes it: a parsed one as the text its ``parse`` reads (``str``)."""
-    if isinstance(value, enum.Enum):
-        return _file_form(value.value)
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, list | tuple):
-        return [_file_form(v) for v in value]
-    return str(value)
-
-
-def dump_config(chosen: list[tuple[Setting, Any]], fmt: Format, command: str) -> str:
-    """The options as a config file that ``--config`` reads back to the same values."""
-    header = f"# {command} --config FILE: one key per option; options on the command line override them\n"
-    if fmt == "yaml":
-        import yaml
-
-        class Dumper(yaml.SafeDumper):  # one option per line, as on the command line: a list on its own line
-            pass
-
-        Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
-        return header + yaml.dump({s.key: _file_form(v) for s, v in chosen}, Dumper=Dumper, sort_keys=False,
-                                  default_flow_style=False, allow_unicode=True, width=1 << 16)
-    lines = [header.rstrip("\n")]
-    for s, value in chosen:
-        if value is None:
-            if s.default is not None:
-                raise ConfigError(f"{s.key} is unset (null), which TOML cannot write and its default "
-                                  f"({_shown(_file_form(s.default))}) is not: print YAML (--print-format yaml)")
-            lines.append(f"# {s.key}: unset")
-        else:
-            lines.append(f"{s.key} = {_toml(_file_form(value))}")
-    return "\n".join(lines) + "\n"
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    # TOML's basic strings escape as JSON does, save DEL, which TOML refuses raw
-    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
