@@ -6,15 +6,22 @@ the way the stages write it (``ShardWriter``, batched), then compacted (``legorl
 Each operation runs in a forked child, so its peak memory (max RSS) is its own:
 
 - *write*: every row through ``ShardWriter`` (rollouts, grades, metrics);
-- *compact*: :func:`legorl.shard_compaction.compact_run`;
-- *inspect*: ``legorl inspect`` (:func:`legorl.monitor.inspect.inspect_path`);
-- *overview*: the dashboard's overview of the run, from a cold reader;
+- *compact*: :func:`legorl.shard_compaction.compact_run` (it also writes the merged parts' summaries,
+  :mod:`legorl.monitor.summaries`);
+- *inspect*: ``legorl inspect`` of the run directory (:func:`legorl.monitor.inspect.inspect_path`
+  and the health summary the command prints with it);
+- *overview (summaries)*: the dashboard's overview of the run from a fresh reader, the parts'
+  summaries present (as compaction or an earlier reader left them);
+- *overview (cold)*: the same with every summary removed first: the reader summarises every trial
+  from its rows, and stores the summaries;
 - *detail*: one trial's detail in a dashboard whose overview is already loaded (a click);
 - *export*: the static dashboard (every trial's detail);
 - *train load*: ``load_step`` of the last step (what ``legorl train`` reads).
 
 ``--layout per-row`` writes one part file per row and skips compaction: the layout before
-issue #30, for the ratio. Prints a table and, with ``--markdown``, the same table as markdown.
+issue #30, for the ratio. ``--demo-finish`` times instead what ``make demo`` does after its last
+held-out eval (``examples/cpu-demo/demo_loop.py``: ``summary.json``, ``report.md`` with its plot, the
+static dashboard) on each run. Prints a table and, with ``--markdown``, the same table as markdown.
 
     .venv/bin/python benchmarks/run_size.py [--sizes 1000,10000,100000] [--layout batched|per-row] [--markdown]
 """
@@ -55,7 +62,8 @@ from legorl.schemas import (
 
 TRIALS_PER_STEP = 32
 HARNESSES = ("mini-swe-agent", "opencode")
-OPS = ("write", "compact", "inspect", "overview", "detail", "export", "train load")
+OPS = ("write", "compact", "inspect", "overview (summaries)", "overview (cold)", "detail", "export", "train load",
+       "demo finish")
 
 
 def _conversation(task: str, turns: int) -> str:
@@ -165,9 +173,19 @@ def operations(run: Path, trials: int, rows_per_part: int, compact: bool, out: P
     def compact_it() -> Any:
         if not compact:
             return None
+        from legorl.monitor.summaries import merge
         from legorl.shard_compaction import compact_run
 
-        return sum(r.replaced for r in compact_run(run))
+        return sum(r.replaced for r in compact_run(run, on_merge=merge))
+
+    def inspect_run() -> Any:
+        from legorl.monitor.health import health_summary
+
+        return len(inspect_path(run)["datasets"]), health_summary(run)["trials"]
+
+    def overview_cold() -> Any:
+        shutil.rmtree(run / "rollouts" / ".summaries", ignore_errors=True)
+        return len(RunSet([run]).overview_json(0))
 
     def detail() -> Any:
         runs = RunSet([run])
@@ -180,12 +198,33 @@ def operations(run: Path, trials: int, rows_per_part: int, compact: bool, out: P
     return {
         "write": lambda: write_run(run, trials, rows_per_part),
         "compact": compact_it,
-        "inspect": lambda: len(inspect_path(run)["datasets"]),
-        "overview": lambda: len(RunSet([run]).overview_json(0)),
+        "inspect": inspect_run,
+        "overview (summaries)": lambda: len(RunSet([run]).overview_json(0)),
+        "overview (cold)": overview_cold,
         "detail": detail,
         "export": lambda: export([run], out)["trials"],
         "train load": lambda: len(load_step(RunDir.at(run), last_step).trials),
     }
+
+
+def demo_finish(run: Path, trials: int) -> dict[str, Callable[[], Any]]:
+    """What ``make demo`` runs after its last held-out eval, on ``run`` (the demo's own functions)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "cpu-demo"))
+    import demo_loop
+
+    cfg = demo_loop.DemoConfig(run=run)
+    records = [demo_loop.StepRecord(step=s, trials=TRIALS_PER_STEP, graded=TRIALS_PER_STEP, mean_reward=0.3,
+                                    solve_rate=0.3, infra=0, rollout_s=60.0, grade_s=30.0, train_s=20.0, reload_s=1.0)
+               for s in range(trials // TRIALS_PER_STEP)]
+    held = demo_loop.HeldOut(step=0, tasks=48, resolved=10, pass_at_1=10 / 48, interval=[0.1, 0.3],
+                             infra_failures=0, seconds=60.0)
+
+    def finish() -> Any:
+        demo_loop.write_summary(cfg, records, held, held, wall_s=1.0, warmup_s=1.0, loop_s=1.0)
+        demo_loop.write_report(cfg, records)
+        return demo_loop.export_dashboard(run) is not None
+
+    return {"demo finish": finish}
 
 
 def main() -> None:
@@ -194,6 +233,9 @@ def main() -> None:
     parser.add_argument("--layout", choices=("batched", "per-row"), default="batched")
     parser.add_argument("--rows-per-part", type=int, default=256, help="ShardWriter batch (batched layout)")
     parser.add_argument("--skip", default="", help="comma-separated operations to leave out (e.g. export)")
+    parser.add_argument("--export-max", type=int, default=20_000,
+                        help="leave the export out of larger runs (default 20000: it is linear, about 15 ms a trial)")
+    parser.add_argument("--demo-finish", action="store_true", help="time make demo's finishing steps instead")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--keep", type=Path, default=None,
                         help="write the runs here and keep them (with --skip write: measure the runs already there)")
@@ -209,9 +251,11 @@ def main() -> None:
             if "write" not in skip:
                 shutil.rmtree(run, ignore_errors=True)
             ops = operations(run, n, 1 if per_row else args.rows_per_part, not per_row, root / f"export-{n}")
+            if args.demo_finish:
+                ops = {"write": ops["write"], "compact": ops["compact"], **demo_finish(run, n)}
             table[n] = {}
             for name, fn in ops.items():
-                if name in skip or (per_row and name == "compact"):
+                if name in skip or (per_row and name == "compact") or (name == "export" and n > args.export_max):
                     continue
                 table[n][name] = in_child(fn)
                 seconds, rss, result = table[n][name]
@@ -254,6 +298,8 @@ def _cell(value: tuple[float, float, Any] | None) -> str:
     seconds, rss, result = value
     if isinstance(result, dict) and "error" in result:
         return "failed"
+    if isinstance(result, float):  # the detail: the click alone (its process loaded the overview first)
+        return f"{result:.2f} s"
     return f"{seconds:.2f} s / {rss:.0f} MB"
 
 

@@ -25,6 +25,7 @@ def register(app: typer.Typer) -> None:
         Safe while stages write and readers read, and after a kill: the next compaction finishes
         the killed one's work."""
         from legorl import shards
+        from legorl.monitor import summaries
         from legorl.monitor.inspect import detect_kind
 
         if not path.is_dir():
@@ -32,9 +33,9 @@ def register(app: typer.Typer) -> None:
         target = target_mb * 2**20
         if shards.part_files(path):
             kind = detect_kind(path)
-            done = [shards.compact(path, kind, target_bytes=target)] if kind is not None else []
+            done = [shards.compact(path, kind, target_bytes=target, on_merge=summaries.merge)] if kind is not None else []
         else:
-            done = shards.compact_run(path, target_bytes=target)
+            done = shards.compact_run(path, target_bytes=target, on_merge=summaries.merge)
         result = [{"path": str(c.folder), "merged": len(c.merged), "replaced": c.replaced, "rows": c.rows,
                    "superseded_rows_dropped": c.dropped} for c in done if c.replaced]
         if json_output:

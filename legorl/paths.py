@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from legorl.schemas import Kind
+
 INFO_FILE = "legorl_train.json"  # in a checkpoint: what went in, the step's metrics
 
 
@@ -33,6 +35,18 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# Where each kind lives inside a run directory (what `legorl inspect` lists and compaction merges).
+RUN_DATASETS: tuple[tuple[str, Kind], ...] = (
+    ("tasks", Kind.TASKS),
+    ("rollouts", Kind.ROLLOUTS),
+    ("grades", Kind.GRADES),
+    ("train/metrics", Kind.METRICS),
+    ("eval/rollouts", Kind.ROLLOUTS),
+    ("eval/grades", Kind.GRADES),
+    ("proxy", Kind.ROLLOUTS),
+)
 
 
 @dataclass(frozen=True)

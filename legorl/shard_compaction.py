@@ -7,14 +7,18 @@ part before it and before every part after it, so "the later file wins" resolves
 
 The steps, each durable before the next (``fsync``):
 
-1. write the merged part to a temp file (swept away if this process dies);
+1. write the merged part to a temp file (swept away if this process dies), and hand it to the
+   caller's ``on_merge`` (the monitor stores the merged part's summary there, keyed by its bytes:
+   :mod:`legorl.monitor.summaries`);
 2. write the journal ``.compact-<merged>.json``, naming the merged part and the parts it replaces;
 3. rename the merged part into place: from here readers (:func:`legorl.shard_files.part_files`)
    hide the replaced parts, so none sees a row twice or zero times;
-4. remove the replaced parts, then the journal.
+4. remove the replaced parts, their summaries, then the journal.
 
 Killed anywhere, the next compaction finishes step 4 for a journal whose merged part exists and
-drops a journal whose merged part does not (the replaced parts then still hold the rows). One
+drops a journal whose merged part does not (the replaced parts then still hold the rows), and
+removes summaries whose part is gone. A summary is never what decides which rows a reader sees
+(the part listing is), so a crash that leaves one behind costs disk, not correctness. One
 compaction runs per folder at a time (a lock file); writers may add parts meanwhile.
 """
 
@@ -24,14 +28,16 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from legorl import shard_summaries
 from legorl.errors import ShardError
-from legorl.paths import RunDir, file_lock
+from legorl.paths import RUN_DATASETS, RunDir, file_lock
 from legorl.schemas import KEY_COLUMNS, SCHEMAS, Kind
 from legorl.shard_files import JOURNAL_PREFIX, part_files, read_journal, sweep_dead_writers
 from legorl.shard_reading import dedupe, read_file
@@ -44,6 +50,9 @@ TARGET_ROWS = 200_000
 # Rows per row group: the unit a lookup reads (rollout rows hold token arrays, grades a test log).
 ROW_GROUP_ROWS = {Kind.ROLLOUTS: 64, Kind.GRADES: 512, Kind.TASKS: 1024, Kind.METRICS: 65536}
 LOCK_NAME = ".compact.lock"
+# (kind, merged part's final path, its temp file, the parts it replaces, their rows as read): a layer
+# above keeps derived data of the merged part (the monitor's summaries) before it is renamed into place
+OnMerge = Callable[[Kind, Path, Path, list[Path], list[pa.Table]], None]
 _MERGED_SUFFIX = re.compile(r"^(?P<base>.*)-c(?P<gen>\d+)$")
 
 
@@ -93,9 +102,10 @@ def plan(parts: list[_Part], target_bytes: int, target_rows: int) -> list[list[_
 
 def compact(
     folder: str | os.PathLike[str], kind: Kind, *, target_bytes: int = TARGET_BYTES,
-    target_rows: int = TARGET_ROWS, command: str | None = None,
+    target_rows: int = TARGET_ROWS, command: str | None = None, on_merge: OnMerge | None = None,
 ) -> Compacted:
-    """Merge the runs of small parts of the dataset ``folder`` (of ``kind``) into large ones."""
+    """Merge the runs of small parts of the dataset ``folder`` (of ``kind``) into large ones;
+    ``on_merge`` sees each merged part before it is renamed into place (see the module's steps)."""
     path = Path(folder)
     done = Compacted(path)
     if not path.is_dir():
@@ -105,7 +115,7 @@ def compact(
         sweep_dead_writers(path)
         parts = [_Part(p, p.stat().st_size, pq.read_metadata(p).num_rows) for p in part_files(path)]
         for run in plan(parts, target_bytes, target_rows):
-            merged, rows, dropped = _merge(path, kind, [p.path for p in run], command)
+            merged, rows, dropped = _merge(path, kind, [p.path for p in run], command, on_merge)
             done.merged.append(merged)
             done.replaced += len(run)
             done.rows += rows
@@ -126,17 +136,21 @@ def recover(folder: Path) -> None:
             _remove(folder, journal[1])
         Path(entry.path).unlink(missing_ok=True)
         fsync_dir(folder)
+    shard_summaries.sweep(folder)
 
 
-def _merge(folder: Path, kind: Kind, run: list[Path], command: str | None) -> tuple[Path, int, int]:
-    table = pa.concat_tables([read_file(p, kind) for p in run])
-    table, dropped = dedupe(kind, table)
-    table = table.sort_by([(c, "ascending") for c in _sort_columns(kind)])
+def _merge(folder: Path, kind: Kind, run: list[Path], command: str | None,
+           on_merge: OnMerge | None) -> tuple[Path, int, int]:
+    tables = [read_file(p, kind) for p in run]
+    table, dropped = dedupe(kind, pa.concat_tables(tables))
+    table = table.sort_by([(c, "ascending") for c in sort_columns(kind)])
     final = folder / merged_name(run[-1].name)
     tmp = write_temp(folder, prepare(folder, kind, table, command or _command(run[-1])),
                      row_group_size=ROW_GROUP_ROWS[kind])
     journal = folder / f"{JOURNAL_PREFIX}{final.name}.json"
     try:
+        if on_merge is not None:
+            on_merge(kind, final, tmp, run, tables)
         _write_journal(journal, final.name, [p.name for p in run])
         os.replace(tmp, final)
     except BaseException as exc:
@@ -148,12 +162,14 @@ def _merge(folder: Path, kind: Kind, run: list[Path], command: str | None) -> tu
         raise
     fsync_dir(folder)
     _remove(folder, [p.name for p in run])
+    shard_summaries.remove(folder, [p.name for p in run])
     journal.unlink()
     fsync_dir(folder)
     return final, table.num_rows, dropped
 
 
-def _sort_columns(kind: Kind) -> list[str]:
+def sort_columns(kind: Kind) -> list[str]:
+    """The merged part's row order: by step (where rows have one) and key, so that lookups skip row groups."""
     keys = list(KEY_COLUMNS[kind])
     return keys if "step" in keys or "step" not in SCHEMAS[kind].names else ["step", *keys]
 
@@ -182,11 +198,10 @@ def _remove(folder: Path, names: list[str]) -> None:
 
 
 def compact_run(
-    root: str | os.PathLike[str], *, target_bytes: int = TARGET_BYTES, target_rows: int = TARGET_ROWS
+    root: str | os.PathLike[str], *, target_bytes: int = TARGET_BYTES, target_rows: int = TARGET_ROWS,
+    on_merge: OnMerge | None = None,
 ) -> list[Compacted]:
-    """Compact every dataset of a run directory (those ``legorl inspect`` lists)."""
-    from legorl.monitor.inspect import RUN_DATASETS
-
+    """Compact every dataset of a run directory (:data:`legorl.paths.RUN_DATASETS`)."""
     run = RunDir.at(root)
-    return [compact(run.root / name, kind, target_bytes=target_bytes, target_rows=target_rows)
+    return [compact(run.root / name, kind, target_bytes=target_bytes, target_rows=target_rows, on_merge=on_merge)
             for name, kind in RUN_DATASETS]

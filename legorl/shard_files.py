@@ -85,13 +85,13 @@ def sweep_dead_writers(folder: Path) -> None:
         if match is None or (match.group(2) or HOST) != HOST:
             continue
         pid = int(match.group(1))
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or alive(pid):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

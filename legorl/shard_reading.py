@@ -95,7 +95,9 @@ def read_file(
             if not schema.field(name).nullable:
                 raise ShardError(path, "required column is missing", field=name)
             table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
-        return conform(path, kind, table.select(columns), pa.schema([schema.field(c) for c in columns]))
+        table = conform(path, kind, table.select(columns), pa.schema([schema.field(c) for c in columns]))
+        check_rows(path, kind, table)
+        return table
     table = conform(path, kind, table)
     check_rows(path, kind, table)
     return table

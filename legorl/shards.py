@@ -14,7 +14,11 @@ The contract:
   runs of small parts into large ones, keeping each key's last row, named so that they sort where
   the parts they replace were; a reader never sees a row twice or zero times, killed or not;
 - :func:`read` takes ``where``, a filter pushed down to each file's row groups: a lookup by
-  ``trial_id`` or ``step`` reads the row groups that can hold it, not the whole folder.
+  ``trial_id`` or ``step`` reads the row groups that can hold it, not the whole folder;
+- a rollout part may have a summary beside it, in the folder's hidden ``.summaries/``
+  (:mod:`legorl.shard_summaries`; what it holds: :mod:`legorl.monitor.summaries`): derived data that
+  no shard reader sees, checked against its part before use, written by the dashboard's reader and
+  by compaction's ``on_merge``.
 
 The work is done by :mod:`legorl.shard_files` (the folder's files), :mod:`legorl.shard_writing`,
 :mod:`legorl.shard_reading`, :mod:`legorl.shard_compaction` and :mod:`legorl.shard_checks`; this

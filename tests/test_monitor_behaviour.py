@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from monitor_runs import assistant, call, tool
 
-from legorl.monitor.behaviour import Action, aggregate, classify_call, summarize, trial_behaviour
+from legorl.monitor.behaviour import Action, classify_call, trial_behaviour
+from legorl.monitor.behaviour_summary import aggregate, summarize
 from legorl.schemas import Call, Outcome, Segment, SegmentReason, TrialRow
 
 

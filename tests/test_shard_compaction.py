@@ -14,6 +14,7 @@ import pytest
 from test_shards import make_trial
 
 from legorl import shards
+from legorl.monitor import summaries
 from legorl.schemas import Kind, MetricRow
 from legorl.shard_compaction import merged_name
 
@@ -31,6 +32,20 @@ def _raw_keys(folder: Path) -> Counter[str]:
         except shards.Vanished:
             continue
     raise AssertionError("the folder kept changing")
+
+
+def _leftovers(folder: Path) -> list[str]:
+    """Hidden files that should not outlive a compaction: its journals, temp files, and summaries that
+    are torn, stale or of a part that is gone. The lock and the valid summaries of live parts stay."""
+    left = sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and p.name not in (".compact.lock", ".summaries"))
+    live = {p.name for p in shards.part_files(folder)}
+    for summary in sorted((folder / ".summaries").glob("*")) if (folder / ".summaries").exists() else []:
+        part = folder / summary.name.removesuffix(".summary")
+        if part.name not in live or summaries.load(part) is None:
+            left.append(f".summaries/{summary.name}")
+        else:  # what a reader would build from the part itself
+            assert summaries.load(part) == summaries.build(shards.read_file(part, Kind.ROLLOUTS)), part
+    return left
 
 
 def _layout(folder: Path) -> int:
@@ -62,15 +77,17 @@ def test_compaction_keeps_the_last_write_of_each_key(tmp_path: Path) -> None:
     target = _layout(tmp_path)
     before = _outcomes(tmp_path)
     done_before = shards.already_done(tmp_path, Kind.ROLLOUTS)
-    result = shards.compact(tmp_path, Kind.ROLLOUTS, target_bytes=target)
+    result = shards.compact(tmp_path, Kind.ROLLOUTS, target_bytes=target, on_merge=summaries.merge)
     assert (result.replaced, len(result.merged)) == (6, 2)  # 3 small, the large one kept, 3 small
     assert len(shards.part_files(tmp_path)) == 3
     assert _outcomes(tmp_path) == before
     assert before[make_trial(sample=0).trial_id] == "submitted"  # the rerun, not the infra failure
     assert before[make_trial(sample=1).trial_id] == "max_turns"  # the large part's, later than the first run's
     assert shards.already_done(tmp_path, Kind.ROLLOUTS) == done_before
-    assert shards.compact(tmp_path, Kind.ROLLOUTS, target_bytes=target).replaced == 0  # nothing left to merge
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".compact.lock"]
+    assert shards.compact(tmp_path, Kind.ROLLOUTS, target_bytes=target, on_merge=summaries.merge).replaced == 0  # nothing left to merge
+    assert _leftovers(tmp_path) == []
+    merged = {p.name + ".summary" for p in result.merged}
+    assert {p.name for p in (tmp_path / ".summaries").iterdir()} == merged  # written by the merge, for its part
 
 
 def test_merged_parts_are_sorted_and_read_by_row_group(tmp_path: Path) -> None:
@@ -87,6 +104,7 @@ _KILLED_COMPACTION = r"""
 import os, signal, sys
 import pyarrow.parquet as pq
 from legorl import shard_compaction, shards
+from legorl.monitor import summaries
 from legorl.schemas import Kind
 folder, target, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 events = 0
@@ -101,7 +119,7 @@ def counted(fn):
 # Every step a crash can fall between: each file write, fsync, rename and removal.
 os.replace, os.fsync, os.unlink = counted(os.replace), counted(os.fsync), counted(os.unlink)
 pq.write_table = counted(pq.write_table)
-shards.compact(folder, Kind.ROLLOUTS, target_bytes=target)
+shards.compact(folder, Kind.ROLLOUTS, target_bytes=target, on_merge=summaries.merge)
 print(events)
 """
 
@@ -129,11 +147,10 @@ def test_sigkill_at_every_point_of_a_compaction(tmp_path: Path) -> None:
         raw = _raw_keys(folder)
         assert set(raw) == set(raw_before) and not raw - raw_before, kill_at  # none lost, none added twice
         assert _outcomes(folder) == expected, kill_at
-        assert shards.compact(folder, Kind.ROLLOUTS, target_bytes=target) is not None
+        assert shards.compact(folder, Kind.ROLLOUTS, target_bytes=target, on_merge=summaries.merge) is not None
         assert _outcomes(folder) == expected, kill_at
         assert len(shards.part_files(folder)) == 3, kill_at
-        leftovers = sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and p.name != ".compact.lock")
-        assert leftovers == [], (kill_at, leftovers)
+        assert _leftovers(folder) == [], kill_at
 
 
 def test_readers_during_compactions_see_every_row_once(tmp_path: Path) -> None:
@@ -149,7 +166,7 @@ def test_readers_during_compactions_see_every_row_once(tmp_path: Path) -> None:
                     trial = make_trial(task=f"t{cycle}__{k}", n_tokens=200)
                     shards.write(tmp_path, Kind.ROLLOUTS, [trial])
                     written.append(trial.trial_id)
-                shards.compact(tmp_path, Kind.ROLLOUTS)
+                shards.compact(tmp_path, Kind.ROLLOUTS, on_merge=summaries.merge)
         except BaseException as exc:
             errors.append(exc)
         finally:

@@ -38,6 +38,7 @@ from legorl import provenance, shards
 from legorl.errors import LegorlError
 from legorl.flows.policy import Policy, PolicySpec, open_policy
 from legorl.grading.grader import GradeOptions
+from legorl.monitor import summaries
 from legorl.paths import Checkpoints, RunDir
 from legorl.provenance import Staleness, StaleTokens
 from legorl.schemas import Kind, MetricRow
@@ -155,7 +156,7 @@ def _synchronous(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
             result = _train(cfg, run, step)
         t3 = time.perf_counter()
         _load(served, result.checkpoint, step)
-        shards.compact_run(run.root)  # the step's small parts merged: readers' cost stays flat
+        shards.compact_run(run.root, on_merge=summaries.merge)  # the step's small parts merged: readers' cost stays flat
         t4 = time.perf_counter()
         record = OnlineStep(
             step=step, new_trials=len(rolled.rows), new_grades=graded,
@@ -302,7 +303,7 @@ def _overlapped(cfg: OnlineConfig, run: RunDir, served: Policy, during: Phase,
                 ahead.loaded()
             t3 = time.perf_counter()
             _write_staleness(run, step, figures)
-            shards.compact_run(run.root)  # the background stages may write meanwhile: compaction allows it
+            shards.compact_run(run.root, on_merge=summaries.merge)  # the background stages may write meanwhile
             record = OnlineStep(
                 step=step, new_trials=rolled.new_trials, new_grades=rolled.new_grades,
                 checkpoint=result.checkpoint, metrics=dict(result.metrics), rollout_s=rolled.rollout_s,

@@ -23,10 +23,6 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from legorl.monitor.behaviour_summary import ALL as ALL
-from legorl.monitor.behaviour_summary import METRICS as METRICS
-from legorl.monitor.behaviour_summary import aggregate as aggregate
-from legorl.monitor.behaviour_summary import summarize as summarize
 from legorl.schemas import BUDGET_STOP_OUTCOMES, SegmentReason, TrialRow
 
 

@@ -38,27 +38,48 @@ def _ratio(num: float, den: float) -> float | None:
 
 
 def summarize(trials: Sequence[TrialBehaviour]) -> dict[str, Any]:
-    """The :data:`METRICS` over a set of trials (infrastructure failures left out and counted)."""
-    kept = [t for t in trials if not t.infra_failure]
-    editing = [t for t in kept if t.edited]
-    per_turn = [t.tool_calls / t.assistant_turns for t in kept if t.assistant_turns]
+    """The :data:`METRICS` over a set of trials (infrastructure failures left out and counted), in one pass."""
+    n = editing = verifying = tests = cutoffs = talking = text_only_trials = 0
+    turns = model = env = forks = parse = text_only = asst = reasoning = response = 0
+    per_turn: list[float] = []
+    for t in trials:
+        if t.infra_failure:
+            continue
+        n += 1
+        turns += t.turns
+        model += t.model_tokens
+        env += t.env_tokens
+        forks += t.forks
+        parse += t.parse_errors
+        text_only += t.text_only_turns
+        asst += t.assistant_turns
+        reasoning += t.reasoning_chars
+        response += t.response_chars
+        if t.assistant_turns:
+            per_turn.append(t.tool_calls / t.assistant_turns)
+            talking += 1
+            text_only_trials += not t.tool_calls
+        if t.edits > 0:
+            editing += 1
+            verifying += t.self_verifying
+        tests += t.test_runs > 0
+        cutoffs += bool(t.budget_stops)
     out: dict[str, Any] = {
-        "trials": len(kept),
-        "infra_excluded": len(trials) - len(kept),
-        "turns_per_trial": _mean([t.turns for t in kept]),
-        "model_tokens_per_trial": _mean([t.model_tokens for t in kept]),
-        "env_tokens_per_trial": _mean([t.env_tokens for t in kept]),
+        "trials": n,
+        "infra_excluded": len(trials) - n,
+        "turns_per_trial": _ratio(turns, n),
+        "model_tokens_per_trial": _ratio(model, n),
+        "env_tokens_per_trial": _ratio(env, n),
         "tool_calls_per_turn": _mean(per_turn),
-        "text_only_turn_share": _ratio(sum(t.text_only_turns for t in kept), sum(t.assistant_turns for t in kept)),
-        "text_only_trial_share": _ratio(sum(1 for t in kept if t.assistant_turns and not t.tool_calls),
-                                        sum(1 for t in kept if t.assistant_turns)),
-        "reasoning_share": _ratio(sum(t.reasoning_chars for t in kept), sum(t.response_chars for t in kept)),
-        "edit_rate": _ratio(len(editing), len(kept)),
-        "self_verification_rate": _ratio(sum(t.self_verifying for t in editing), len(editing)),
-        "test_run_rate": _ratio(sum(t.ran_tests for t in kept), len(kept)),
-        "forks_per_trial": _mean([t.forks for t in kept]),
-        "parse_errors_per_trial": _mean([t.parse_errors for t in kept]),
-        "budget_cutoff_rate": _ratio(sum(1 for t in kept if t.budget_stops), len(kept)),
+        "text_only_turn_share": _ratio(text_only, asst),
+        "text_only_trial_share": _ratio(text_only_trials, talking),
+        "reasoning_share": _ratio(reasoning, response),
+        "edit_rate": _ratio(editing, n),
+        "self_verification_rate": _ratio(verifying, editing),
+        "test_run_rate": _ratio(tests, n),
+        "forks_per_trial": _ratio(forks, n),
+        "parse_errors_per_trial": _ratio(parse, n),
+        "budget_cutoff_rate": _ratio(cutoffs, n),
     }
     return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v) for k, v in out.items()}
 

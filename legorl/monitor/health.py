@@ -20,7 +20,7 @@ from rich.text import Text
 
 from legorl import fingerprints, provenance
 from legorl import metric_keys as mk
-from legorl.monitor import behaviour, stats
+from legorl.monitor import behaviour_summary, stats
 from legorl.monitor.loading import RunReader, Snapshot
 
 # The trainer's figures the summary shows, by their metric keys.
@@ -52,7 +52,7 @@ def health_summary(run: str | os.PathLike[str] | Snapshot) -> dict[str, Any]:
     latest_outcomes = (
         {c: v[-1] for c, v in outcomes["categories"].items() if v[-1]} if outcomes["steps"] else {}
     )
-    beh_rows = [r for r in behaviour.aggregate(t.behaviour for t in trials)
+    beh_rows = [r for r in behaviour_summary.aggregate(t.behaviour for t in trials)
                 if r["step"] == latest_step and r["harness"] == stats.ALL]
     beh = {k: beh_rows[0].get(k) for k in _BEHAVIOUR_HEADLINES} if beh_rows else {}
     metrics = stats.metric_series(snap)

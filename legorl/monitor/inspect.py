@@ -27,24 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
-from legorl import fingerprints, provenance, shards
+from legorl import fingerprints, shards
 from legorl.costs import ForkCost, fork_cost
 from legorl.errors import ShardError
-from legorl.paths import RunDir
+from legorl.paths import RUN_DATASETS, RunDir
 from legorl.schemas import Kind
-
-# Where each kind lives inside a run directory.
-RUN_DATASETS: tuple[tuple[str, Kind], ...] = (
-    ("tasks", Kind.TASKS),
-    ("rollouts", Kind.ROLLOUTS),
-    ("grades", Kind.GRADES),
-    ("train/metrics", Kind.METRICS),
-    ("eval/rollouts", Kind.ROLLOUTS),
-    ("eval/grades", Kind.GRADES),
-    ("proxy", Kind.ROLLOUTS),
-)
 
 
 def detect_kind(folder: Path) -> Kind | None:
@@ -55,6 +45,16 @@ def detect_kind(folder: Path) -> Kind | None:
             return Kind(info.kind)
         raise ShardError(f, "not a legorl shard (no legorl metadata)")
     return None
+
+
+# The columns each kind's breakdown reads (the key columns come with them): not the conversations,
+# patches, test logs or problem statements.
+COLUMNS: dict[Kind, list[str]] = {
+    Kind.TASKS: ["repo", "flaky_tests"],
+    Kind.ROLLOUTS: ["outcome", "harness", "step", "infra_failure", "segments", "calls", "fingerprint"],
+    Kind.GRADES: ["task_id", "status", "resolved", "reward", "infra_failure", "suspicious", "fingerprint"],
+    Kind.METRICS: ["value"],
+}
 
 
 def _counts(values: list[Any]) -> dict[str, int]:
@@ -107,25 +107,31 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
 
 
 def _fork_costs(t: Any, heaviest: int = 3) -> dict[str, Any]:
-    """Segment tokens per sampled token and the shared-prefix share, over the trials and for the heaviest."""
-    per_row = pc.list_value_length(t.column("segments")).to_numpy(zero_copy_only=False)
+    """Segment tokens per sampled token and the shared-prefix share, over the trials and for the heaviest.
+    A trial of one segment shares nothing, so only the trials of several are compared token by token."""
+    per_row = pc.fill_null(pc.list_value_length(t.column("segments")), 0).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(t.column("segments"))
     ids = pc.struct_field(flat, "token_ids")
     lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
-    values = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
     masks = pc.list_flatten(pc.struct_field(flat, "loss_mask")).to_numpy(zero_copy_only=False)  # as long as values
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    costs: list[tuple[str, ForkCost]] = []
-    seg = 0
-    for trial_id, n in zip(t.column("trial_id").to_pylist(), per_row.tolist(), strict=True):
-        spans = list(zip(starts[seg : seg + n].tolist(), ends[seg : seg + n].tolist(), strict=True))
-        seg += n
-        tokens = [values[a:b] for a, b in spans]
-        costs.append((trial_id, fork_cost(tokens, int(sum(int(masks[a:b].sum()) for a, b in spans)))))
-    total = ForkCost(sum(c.segments for _, c in costs), sum(c.segment_tokens for _, c in costs),
-                     sum(c.sampled_tokens for _, c in costs), sum(c.shared_tokens for _, c in costs))
-    forked = sorted((c for c in costs if c[1].segments > 1), key=lambda c: -(c[1].tokens_per_sampled or 0.0))
+    running = np.concatenate([[0], np.cumsum(masks, dtype=np.int64)])
+    sampled = running[ends] - running[starts]  # per segment
+    shared = 0
+    forked: list[tuple[str, ForkCost]] = []
+    first = np.concatenate([[0], np.cumsum(per_row)[:-1]]).astype(np.int64) if len(per_row) else per_row
+    several = np.flatnonzero(per_row > 1)
+    if len(several):
+        values = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
+        trial_ids = t.column("trial_id").take(pa.array(several)).to_pylist()
+        for trial_id, row in zip(trial_ids, several.tolist(), strict=True):
+            segs = range(int(first[row]), int(first[row] + per_row[row]))
+            cost = fork_cost([values[starts[k]:ends[k]] for k in segs], int(sum(int(sampled[k]) for k in segs)))
+            shared += cost.shared_tokens
+            forked.append((trial_id, cost))
+    total = ForkCost(len(lengths), int(lengths.sum()), int(sampled.sum()), shared)
+    forked.sort(key=lambda c: -(c[1].tokens_per_sampled or 0.0))
     return {"segment_tokens_per_sampled": total.tokens_per_sampled, "shared_share": total.shared_share,
             "heaviest": [{"trial_id": trial_id, "segments": c.segments, "segment_tokens_per_sampled": c.tokens_per_sampled,
                           "shared_share": c.shared_share} for trial_id, c in forked[:heaviest]]}
@@ -145,8 +151,23 @@ def _flaky(t: Any) -> dict[str, Any]:
 
 
 def _staleness(t: Any) -> dict[str, Any]:
-    """``{"staleness": {"lag L": share of trials}}`` when calls record their policy version, else {}."""
-    shares = provenance.lag_shares(t.select(["trial_id", "step", "calls"]).to_pylist())
+    """``{"staleness": {"lag L": share of trials}}`` when calls record their policy version, else {}:
+    :func:`legorl.provenance.lag_shares` (a trial lags by its oldest versioned call that sampled tokens),
+    computed column-wise."""
+    calls = t.column("calls").combine_chunks()
+    flat = pc.list_flatten(calls)
+    if len(flat) == 0:
+        return {}
+    version = flat.field("policy_version")
+    stopped = pc.fill_null(pc.greater(pc.utf8_length(flat.field("budget_stop")), 0), False)  # a budget stop's reason
+    sampled = pc.and_(pc.invert(stopped), pc.greater(pc.fill_null(flat.field("completion_tokens"), 0), 0))
+    keep = pc.and_(sampled, pc.is_valid(version))
+    versions = pa.table({"row": pc.list_parent_indices(calls), "version": version}).filter(keep)
+    oldest = versions.group_by("row").aggregate([("version", "min")])
+    steps = pc.cast(t.column("step").combine_chunks().take(oldest.column("row")), pa.int64())
+    found = Counter(pc.subtract(steps, pc.cast(oldest.column("version_min"), pa.int64())).to_pylist())
+    total = sum(found.values())
+    shares = {str(k): round(n / total, 6) for k, n in sorted(found.items())}
     return {"staleness": {f"lag {lag}": share for lag, share in shares.items()}} if shares else {}
 
 
@@ -157,7 +178,7 @@ def _mixes(**rows: Any) -> dict[str, Any]:
 
 
 def summarize_dataset(name: str, folder: Path, kind: Kind) -> dict[str, Any]:
-    dataset = shards.read(folder, kind)
+    dataset = shards.read(folder, kind, columns=COLUMNS[kind])
     infos = [shards.file_info(f) for f in dataset.files]
     return {
         "name": name,

@@ -2,7 +2,9 @@
 
 Part files never change once renamed into place, so :class:`RunReader` summarises each rollout
 and grade part file once (behaviour, token counts, test counts) and keeps the result keyed by the
-file's name, size and mtime; a refresh after new shards land only reads the new files.
+file's name, size and mtime; a refresh after new shards land only reads the new files. A rollout
+part's summary is also stored beside it (:mod:`legorl.monitor.summaries`), so a fresh reader of a
+large run reads the summaries, not the conversations.
 :meth:`RunReader.fingerprint` lists the part files (no reads), which makes "did anything change?"
 cheap enough to poll. Duplicate keys resolve as :func:`legorl.shards.read` does: the later file
 wins. The snapshot remembers which file holds each trial's rollout and grade, so one trial's full
@@ -11,11 +13,13 @@ rows are read from those files alone, the rows of one step only (pushed down to 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from hashlib import sha1
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,11 +28,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from legorl import provenance, shards
+from legorl import shards
 from legorl.errors import LegorlError
-from legorl.monitor.behaviour import TrialBehaviour, trial_behaviour
+from legorl.monitor import summaries
+from legorl.monitor.behaviour import Action, Event, TrialBehaviour
 from legorl.paths import RunDir
-from legorl.schemas import GradeRow, Kind, MetricRow, TrialRow
+from legorl.schemas import GradeRow, Kind, MetricRow, TrialCost, TrialRow
 from legorl.shards import Vanished
 
 # Columns of grades we summarise (the test log can be large and is read only for one trial).
@@ -55,6 +60,7 @@ class TrialInfo:
     behaviour: TrialBehaviour
     token_lags: dict[int, int]  # sampled tokens per lag behind the trial's step (legorl.provenance.token_lags)
     file: Path
+    cost: TrialCost = field(default_factory=TrialCost)  # legorl.costs.cost_of
 
     @property
     def key(self) -> str:
@@ -90,6 +96,8 @@ class Snapshot:
     repos: dict[str, str] = field(default_factory=dict)  # task id -> repository
     task_ids: list[str] = field(default_factory=list)
     eval_report: dict[str, Any] | None = None
+    # figures derived from this snapshot, computed once (legorl.monitor.stats.scored): a snapshot never changes
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -112,44 +120,53 @@ def repo_from_instance_id(instance_id: str) -> str:
     return f"{m['owner']}/{m['name']}" if m else "unknown"
 
 
-def _token_counts(table: pa.Table) -> list[list[tuple[str, int, int]]]:
-    """Per row, per segment: (reason, sampled tokens, other tokens), computed with numpy."""
-    segments = table.column("segments").combine_chunks()
-    out: list[list[tuple[str, int, int]]] = [[] for _ in range(table.num_rows)]
-    if len(segments) == 0:
-        return out
-    parents = pc.list_parent_indices(segments).to_numpy()
-    flat = pc.list_flatten(segments)
-    if len(flat) == 0:
-        return out
-    masks = flat.field("loss_mask")
-    lengths = pc.list_value_length(masks).to_numpy(zero_copy_only=False).astype(np.int64)
-    values = pc.list_flatten(masks).to_numpy(zero_copy_only=False).astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    running = np.concatenate([[0], np.cumsum(values)])
-    sums = running[offsets[1:]] - running[offsets[:-1]]
-    reasons = flat.field("reason").to_pylist()
-    for i, row in enumerate(parents):
-        out[int(row)].append((str(reasons[i]), int(sums[i]), int(lengths[i] - sums[i])))
-    return out
-
-
 def summarise_rollout_file(path: Path) -> list[TrialInfo]:
-    """Read one rollout part file and summarise each of its rows."""
-    table = shards.read_file(path, Kind.ROLLOUTS)
-    counts = _token_counts(table)
-    light = table.drop_columns(["segments"]).to_pylist()
+    """One rollout part file's trials, from its stored summary (:mod:`legorl.monitor.summaries`), or
+    summarised from its rows now (the summary is then stored for the next reader)."""
+    try:
+        summary = summaries.summarise(path)
+        try:
+            return trial_infos(summary, path)
+        except (ValueError, KeyError, TypeError):  # a stored summary that is whole but not sense: rebuild it
+            return trial_infos(summaries.summarise(path, rebuild=True), path)
+    except FileNotFoundError as exc:
+        raise Vanished(path, "part file vanished (replaced by a compaction)") from exc
+
+
+_ACTIONS = {str(a): a for a in Action}
+_COSTS = [f.name for f in fields(TrialCost)]
+
+
+def _event(turn: int, tool: str, actions: list[str], paths: list[str], seen: dict[Any, Event]) -> Event:
+    """An :class:`Event` (immutable), shared by the trials of a part that hold the same one."""
+    key = (turn, tool, *actions, None, *paths)
+    event = seen.get(key)
+    if event is None:
+        event = seen[key] = Event(turn, tool, tuple([_ACTIONS[a] for a in actions]), tuple(paths))
+    return event
+
+
+def trial_infos(summary: pa.Table, path: Path) -> list[TrialInfo]:
+    """:class:`TrialInfo` of each row of a summary table, read column by column."""
+    cols = {name: summary.column(name).to_pylist() for name in summary.column_names}
+    events: dict[Any, Event] = {}
     out = []
-    for data, seg_counts in zip(light, counts, strict=True):
-        row = TrialRow.from_dict(data)
-        out.append(
-            TrialInfo(
-                trial_id=row.trial_id, task_id=row.task_id, harness=row.harness, step=row.step,
-                sample_index=row.sample_index, group_id=row.group_id, model=row.model, outcome=row.outcome,
-                infra_failure=bool(row.infra_failure), error=row.error, patch=row.patch,
-                behaviour=trial_behaviour(row, seg_counts), token_lags=dict(provenance.token_lags(row)), file=path,
-            )
+    for i, trial_id in enumerate(cols["trial_id"]):
+        behaviour = TrialBehaviour(
+            trial_id=trial_id, step=cols["step"][i], harness=cols["harness"][i],
+            infra_failure=cols["infra_failure"][i],
+            **{name: cols[name][i] for name in summaries.BEHAVIOUR_COUNTS},
+            submitted=cols["submitted"][i], self_verifying=cols["self_verifying"][i],
+            events=[_event(turn, tool, actions, paths, events) for turn, tool, actions, paths in json.loads(cols["events"][i])],
         )
+        out.append(TrialInfo(
+            trial_id=trial_id, task_id=cols["task_id"][i], harness=cols["harness"][i], step=cols["step"][i],
+            sample_index=cols["sample_index"][i], group_id=cols["group_id"][i], model=cols["model"][i],
+            outcome=cols["outcome"][i], infra_failure=cols["infra_failure"][i], error=cols["error"][i],
+            patch=cols["patch"][i], behaviour=behaviour,
+            token_lags={int(lag): int(n) for lag, n in json.loads(cols["token_lags"][i])}, file=path,
+            cost=TrialCost(*(cols[f"cost_{name}"][i] for name in _COSTS)),
+        ))
     return out
 
 
@@ -199,10 +216,11 @@ class RunReader:
 
     def _read_snapshot(self, fp: str) -> Snapshot:
         snap = Snapshot(root=self.run.root, fingerprint=fp)
-        for info in _summaries(self.run.rollouts, self._rollout_cache, summarise_rollout_file):
-            snap.trials[info.trial_id] = info
-        for grade in _summaries(self.run.grades, self._grade_cache, summarise_grade_file):
-            snap.grades[grade.trial_id] = grade
+        with _no_gc():
+            for info in _summaries(self.run.rollouts, self._rollout_cache, summarise_rollout_file):
+                snap.trials[info.trial_id] = info
+            for grade in _summaries(self.run.grades, self._grade_cache, summarise_grade_file):
+                snap.grades[grade.trial_id] = grade
         snap.metrics = shards.read_rows(self.run.metrics, Kind.METRICS)
         tasks = shards.read(self.run.tasks, Kind.TASKS, columns=["repo"]).table
         snap.task_ids = tasks.column("instance_id").to_pylist()
@@ -250,6 +268,19 @@ class RunReader:
                     {i: GradeRow.from_dict(d) for i, d in grades.items()})
 
         return _relisting(read)
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused: building 10^5 trials' objects (none of them in a cycle)
+    would otherwise run it over and over across everything built so far (a third of the time)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 _ATTEMPTS = 5  # listings of a run that a compaction may change under a reader
@@ -304,16 +335,21 @@ def _rows_in(path: Path, kind: Kind, trial_ids: list[str], step: int | None) -> 
 
 
 def summarise_grade_file(path: Path) -> list[GradeInfo]:
-    """Read one grade part file's light columns (not the test log) and summarise each row."""
+    """Read one grade part file's light columns (not the test log) and summarise each row; the
+    tests passed per row are counted with numpy."""
     table = shards.read_file(path, Kind.GRADES, columns=["trial_id", *_GRADE_COLUMNS])
-    out = []
-    for d in table.to_pylist():
-        tests = d.get("tests") or []
-        out.append(GradeInfo(
-            trial_id=d["trial_id"], task_id=d["task_id"], status=d["status"],
-            infra_failure=bool(d["infra_failure"]), reward=d["reward"], resolved=d["resolved"],
-            resolution=d["resolution"], error=d["error"],
-            tests_passed=sum(1 for t in tests if t.get("passed")), tests_total=len(tests),
-            step=d["step"], file=path,
-        ))
-    return out
+    tests = table.column("tests").combine_chunks()
+    rows = pc.list_parent_indices(tests).to_numpy()
+    passed = pc.fill_null(pc.list_flatten(tests).field("passed"), False).to_numpy(zero_copy_only=False)
+    passed_per_row = np.bincount(rows, weights=passed.astype(np.float64), minlength=table.num_rows).astype(int).tolist()
+    total_per_row = pc.fill_null(pc.list_value_length(tests), 0).to_numpy().tolist()
+    cols = {name: table.column(name).to_pylist() for name in table.column_names if name != "tests"}
+    return [
+        GradeInfo(
+            trial_id=trial_id, task_id=cols["task_id"][i], status=cols["status"][i],
+            infra_failure=bool(cols["infra_failure"][i]), reward=cols["reward"][i], resolved=cols["resolved"][i],
+            resolution=cols["resolution"][i], error=cols["error"][i], tests_passed=passed_per_row[i],
+            tests_total=total_per_row[i], step=cols["step"][i], file=path,
+        )
+        for i, trial_id in enumerate(cols["trial_id"])
+    ]

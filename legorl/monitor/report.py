@@ -22,7 +22,7 @@ from rich.table import Table
 
 from legorl import costs
 from legorl.errors import LegorlError
-from legorl.monitor import behaviour, passk, stats
+from legorl.monitor import behaviour, behaviour_summary, passk, stats
 from legorl.monitor.loading import RunReader, Snapshot
 
 REPORT_VERSION = 1
@@ -57,7 +57,7 @@ def build_report(
     for t in trials:
         outcomes[t.harness][stats.category(t, snap.grades.get(t.trial_id))] += 1
     beh = {row["harness"]: {k: v for k, v in row.items() if k not in ("step", "harness")}
-           for row in behaviour.aggregate(_restep(t.behaviour) for t in trials)}
+           for row in behaviour_summary.aggregate(_restep(t.behaviour) for t in trials)}
     models = sorted({t.model for t in trials if t.model})
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
@@ -159,7 +159,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     names = list(report["behaviour"])
     lines.append("| metric | " + " | ".join(names) + " |")
     lines.append("|" + "---|" * (len(names) + 1))
-    for metric in ["trials", *behaviour.METRICS]:
+    for metric in ["trials", *behaviour_summary.METRICS]:
         lines.append(f"| {metric} | " + " | ".join(_num(report["behaviour"][n].get(metric)) for n in names) + " |")
     lines += costs.to_markdown(report.get("cost") or [])  # legorl eval's (legorl.evaluation)
     return "\n".join(lines) + "\n"

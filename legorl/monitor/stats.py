@@ -55,15 +55,18 @@ def _r(v: float | None) -> float | None:
 
 
 def scored(snap: Snapshot) -> list[tuple[TrialInfo, GradeInfo]]:
-    """Trials with a usable grade (graded, not an infrastructure failure), sorted by trial id."""
-    out = []
-    for tid in sorted(snap.trials):
-        trial = snap.trials[tid]
-        grade = snap.grades.get(tid)
-        if grade is None or snap.is_infra(trial) or grade.status == GradeStatus.INFRA_ERROR:
-            continue
-        out.append((trial, grade))
-    return out
+    """Trials with a usable grade (graded, not an infrastructure failure), sorted by trial id (computed
+    once per snapshot: the overview and the health summary ask for it several times)."""
+    found = snap.derived.get("scored")
+    if found is None:
+        found = snap.derived["scored"] = []
+        for tid in sorted(snap.trials):
+            trial = snap.trials[tid]
+            grade = snap.grades.get(tid)
+            if grade is None or snap.is_infra(trial) or grade.status == GradeStatus.INFRA_ERROR:
+                continue
+            found.append((trial, grade))
+    return list(found)
 
 
 def reward_by_step(snap: Snapshot) -> dict[str, dict[str, list[Any]]]:
@@ -146,13 +149,17 @@ def token_lags_by_step(snap: Snapshot) -> dict[str, Any]:
 
 def task_step_grid(snap: Snapshot) -> dict[str, Any]:
     """Solve rate per (task, step): rows are tasks (sorted), columns steps; None where not attempted."""
-    acc: dict[tuple[str, int], list[bool]] = defaultdict(list)
+    # per task: step -> [solved, attempts]; the grid is dense (tasks x steps), so each cell is one lookup
+    acc: dict[str, dict[int, list[int]]] = defaultdict(dict)
     for trial, grade in scored(snap):
-        acc[(trial.task_id, trial.step)].append(bool(grade.resolved))
-    tasks = sorted({t for t, _ in acc})
-    steps = sorted({s for _, s in acc})
-    z = [[_r(sum(acc[(t, s)]) / len(acc[(t, s)])) if acc.get((t, s)) else None for s in steps] for t in tasks]
-    n = [[len(acc.get((t, s), [])) for s in steps] for t in tasks]
+        cell = acc[trial.task_id].setdefault(trial.step, [0, 0])
+        cell[0] += bool(grade.resolved)
+        cell[1] += 1
+    tasks = sorted(acc)
+    steps = sorted({s for per_task in acc.values() for s in per_task})
+    rates = {t: {s: _r(c[0] / c[1]) for s, c in acc[t].items()} for t in tasks}
+    z = [[rates[t].get(s) for s in steps] for t in tasks]
+    n = [[c[1] if (c := acc[t].get(s)) else 0 for s in steps] for t in tasks]
     return {"tasks": tasks, "steps": steps, "solve_rate": z, "n": n}
 
 

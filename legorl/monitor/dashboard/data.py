@@ -13,7 +13,7 @@ from typing import Any
 
 from legorl import costs
 from legorl import metric_keys as mk
-from legorl.monitor import behaviour, stats
+from legorl.monitor import behaviour, behaviour_summary, stats
 from legorl.monitor.behaviour import classify_call
 from legorl.monitor.health import FIDELITY_KEYS, health_summary
 from legorl.monitor.loading import RunReader, Snapshot
@@ -24,9 +24,9 @@ MAX_LOG_CHARS = 20000
 
 
 def _behaviour_series(snap: Snapshot) -> dict[str, dict[str, dict[str, list[Any]]]]:
-    rows = behaviour.aggregate(t.behaviour for t in snap.trials.values())
+    rows = behaviour_summary.aggregate(t.behaviour for t in snap.trials.values())
     out: dict[str, dict[str, dict[str, list[Any]]]] = {}
-    for metric in behaviour.METRICS:
+    for metric in behaviour_summary.METRICS:
         per_harness: dict[str, dict[str, list[Any]]] = {}
         for row in rows:
             series = per_harness.setdefault(row["harness"], {"steps": [], "values": []})
@@ -95,7 +95,7 @@ def overview(snap: Snapshot) -> dict[str, Any]:
         "staleness": {**stats.token_lags_by_step(snap), "ess": ess_by_lag},  # token lags from the rollouts
         "other_metrics": others,
         "behaviour": _behaviour_series(snap),
-        "behaviour_help": behaviour.METRICS,
+        "behaviour_help": behaviour_summary.METRICS,
         "grid": stats.task_step_grid(snap),
         "trials": _trial_rows(snap),
         "eval": snap.eval_report,
