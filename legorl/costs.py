@@ -137,7 +137,7 @@ def run_costs(root: Path, trial_ids: Collection[str] | None = None) -> list[dict
     from legorl import shards
     from legorl.schemas import Kind
 
-    columns = ["harness", "step", "attempts", "calls", "cost"]
+    columns = ["trial_id", "harness", "step", "attempts", "calls", "cost"]
     rows = shards.read(Path(root) / "rollouts", Kind.ROLLOUTS, columns=columns).table.to_pylist()
     return cost_table(r for r in rows if trial_ids is None or r["trial_id"] in trial_ids)
 

@@ -99,7 +99,7 @@ def overview(snap: Snapshot) -> dict[str, Any]:
         "grid": stats.task_step_grid(snap),
         "trials": _trial_rows(snap),
         "eval": snap.eval_report,
-        "cost": costs.run_costs(snap.root),  # per step and harness (legorl.costs)
+        "cost": costs.cost_table(snap.trials.values()),  # per step and harness (legorl.costs), from the parts' summaries
     }
 
 
