@@ -376,6 +376,21 @@ class GradeRow(_Row):
     fingerprint: GradeFingerprint | None = None  # null in shards written before it was recorded
 
 
+def grade_is_infra(infra_failure: bool | None, status: str | None, reward: float | None) -> bool:
+    """Whether a grade decided nothing: the grader's infrastructure failure (its flag or its status),
+    or no reward. Such a trial is left out of rewards, training and pass rates, and graded again."""
+    return bool(infra_failure) or status == GradeStatus.INFRA_ERROR or reward is None
+
+
+def trial_is_infra(rollout_infra: bool | None, grade: GradeRow | Any | None) -> bool:
+    """Whether a trial is an infrastructure failure: its rollout's flag, or a grade that decided
+    nothing (:func:`grade_is_infra`; ``grade``: a row or anything with its fields). An ungraded trial
+    (``grade`` None) is not one: it is pending."""
+    if rollout_infra:
+        return True
+    return grade is not None and grade_is_infra(grade.infra_failure, grade.status, grade.reward)
+
+
 @dataclass(slots=True)
 class MetricRow(_Row):
     step: int

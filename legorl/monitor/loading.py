@@ -33,7 +33,7 @@ from legorl.errors import LegorlError
 from legorl.monitor import summaries
 from legorl.monitor.behaviour import Action, Event, TrialBehaviour
 from legorl.paths import RunDir
-from legorl.schemas import GradeRow, Kind, MetricRow, TrialCost, TrialRow
+from legorl.schemas import GradeRow, Kind, MetricRow, TrialCost, TrialRow, trial_is_infra
 from legorl.shards import Vanished
 
 # Columns of grades we summarise (the test log can be large and is read only for one trial).
@@ -107,8 +107,8 @@ class Snapshot:
         return self.repos.get(task_id) or repo_from_instance_id(task_id)
 
     def is_infra(self, trial: TrialInfo) -> bool:
-        grade = self.grades.get(trial.trial_id)
-        return trial.infra_failure or (grade is not None and grade.infra_failure)
+        """:func:`legorl.schemas.trial_is_infra` of the trial and its grade."""
+        return trial_is_infra(trial.infra_failure, self.grades.get(trial.trial_id))
 
 
 _SWE_ID = re.compile(r"^(?P<owner>[^_]+(?:_[^_]+)*?)__(?P<name>.+)-\d+$")

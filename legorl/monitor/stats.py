@@ -13,7 +13,7 @@ from typing import Any
 
 from legorl.monitor.loading import GradeInfo, Snapshot, TrialInfo
 from legorl.monitor.passk import Problem
-from legorl.schemas import GradeStatus
+from legorl.schemas import GradeStatus, grade_is_infra
 
 ALL = "all"
 
@@ -36,7 +36,7 @@ def category(trial: TrialInfo, grade: GradeInfo | None) -> str:
         return INFRA_ROLLOUT
     if grade is None:
         return PENDING
-    if grade.infra_failure or grade.status == GradeStatus.INFRA_ERROR:
+    if grade_is_infra(grade.infra_failure, grade.status, grade.reward):
         return INFRA_GRADE
     if grade.resolved:
         return RESOLVED
@@ -63,7 +63,7 @@ def scored(snap: Snapshot) -> list[tuple[TrialInfo, GradeInfo]]:
         for tid in sorted(snap.trials):
             trial = snap.trials[tid]
             grade = snap.grades.get(tid)
-            if grade is None or snap.is_infra(trial) or grade.status == GradeStatus.INFRA_ERROR:
+            if grade is None or snap.is_infra(trial):
                 continue
             found.append((trial, grade))
     return list(found)
@@ -175,7 +175,7 @@ def problems(snap: Snapshot, steps: Iterable[int] | None = None) -> list[Problem
             (trial.task_id, trial.harness), Problem(trial.task_id, trial.harness, snap.repo_of(trial.task_id))
         )
         grade = snap.grades.get(tid)
-        if snap.is_infra(trial) or (grade is not None and grade.status == GradeStatus.INFRA_ERROR):
+        if snap.is_infra(trial):
             p.infra += 1
             p.n += 1  # an incorrect attempt (passk's docstring says why)
         elif grade is None:
