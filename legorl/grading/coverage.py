@@ -3,8 +3,9 @@
 A pass is checked from outside only where the grade mutates a canary's expected value (the threat
 model's "Grading" section): a negated assertion is passed blind by code that inverts each new test's
 outcome, and a task with no canary rests on the runner's tripwires, which code in the test process can
-evade. Training on the checked tasks alone gives a reward no code in the test process can forge
-without knowing which test is which (`legorl tasks canaries RUN --into CHECKED`).
+evade. On the checked tasks alone (`legorl tasks canaries RUN --into CHECKED`), code in the test
+process that forges outcomes must know which test is which (code that makes them true at test time,
+searching with the tests as its oracle, is a residual risk: docs/threat-model.md).
 """
 
 from __future__ import annotations
