@@ -39,5 +39,5 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Each hot path's benchmark; each prints its ratio against the natural alternative."""
     for script in sorted(glob.glob("benchmarks/*.py")):
-        if not script.endswith("gpu_check.py"):  # the GPU table: `make gpu-check`
+        if not script.startswith("benchmarks/gpu_"):  # the GPU table (gpu_check, gpu_env, gpu_rows): `make gpu-check`
             session.run("python", script, *session.posargs)

@@ -25,7 +25,7 @@ prompt, two trials) is timed with legorl's padded path (``padding_free=False``: 
 packing) and the packed one.
 
     python benchmarks/train.py [--groups 4] [--group-size 4] [--updates 3] [--threads 1] [--model DIR]
-    python benchmarks/train.py --sweep [--quick] [--lengths 1024,4096,16384,32768] [--vocabs 8192,151936]
+    python benchmarks/train.py --sweep [--quick] [--lengths 1024,4096,16384,32768,65536] [--vocabs 8192,151936]
         [--trainers legorl,trl] [--repeat 2] [--no-forks] [--timeout S] [--results FILE.jsonl]
     python benchmarks/train.py --table FILE.jsonl [FILE.jsonl ...]
 """
@@ -409,7 +409,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def sweep(args: argparse.Namespace) -> None:
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
-        [1024, 4096] if args.quick else [1024, 4096, 16384, 32768])
+        [1024, 4096] if args.quick else [1024, 4096, 16384, 32768, 65536])
     vocabs = [int(x) for x in args.vocabs.split(",")]
     trainers = args.trainers.split(",")
     base = {"threads": args.threads, "mem_cap_gb": args.mem_cap_gb, "trials": 2, "forks": 1}

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from legorl.engines.base import MIN_TEMPERATURE
 from legorl.errors import LegorlError
-
-if TYPE_CHECKING:
-    from legorl.training.data import StepData
 
 log = logging.getLogger("legorl.train")
 
@@ -88,7 +86,21 @@ def _same(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
 
-def step_sampling(data: StepData, configured: float | None = None) -> StepSampling:
+class _Trial(Protocol):  # what step_sampling reads of a training.data.Trial (which imports this module)
+    @property
+    def trial_id(self) -> str: ...
+    @property
+    def sampling(self) -> Sequence[CallSampling]: ...
+
+
+class _Step(Protocol):  # ... and of a training.data.StepData
+    @property
+    def step(self) -> int: ...
+    @property
+    def trials(self) -> Sequence[_Trial]: ...
+
+
+def step_sampling(data: _Step, configured: float | None = None) -> StepSampling:
     """The sampling of ``data``'s trained calls, checked against ``configured`` (``--temperature``)."""
     first: tuple[str, CallSampling] | None = None
     recorded = unrecorded = 0

@@ -58,8 +58,10 @@ from legorl.training.importance import (
     weight_stats_by_lag,
 )
 from legorl.training.logprobs import sampled_logps
+from legorl.training.memory import map_large_blocks
 from legorl.training.metrics import MetricsRecorder, fidelity, harness_split
 from legorl.training.packing import MIN_SHARED_PREFIX, Packed, pack, token_chunks
+from legorl.training.tiling import tiled_mlp
 
 # Keys of TRL/Trainer logs not worth a metrics row (run summaries, bookkeeping).
 _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second",
@@ -142,6 +144,8 @@ class SegmentGRPOTrainer(GRPOTrainer):
         self.replay = self.uses_routing and args.routing_replay != "off"
         # Logs go to the metrics shards and TRL's reporters; keep stdout clean for `--json`.
         self.remove_callback(PrinterCallback)
+        if args.gradient_checkpointing:  # memory over compute: freed activations leave the process (memory.py)
+            map_large_blocks()
 
     # ------------------------------------------------------------------ data: whole groups, no generation
 
@@ -508,6 +512,8 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 self.forward_tokens += packed.length
                 routing = packed.routing
                 held.enter_context(packed_attention(self.accelerator.unwrap_model(model)))
+                if self.args.gradient_checkpointing:  # memory over compute: MLPs in tiles too (tiling.py)
+                    held.enter_context(tiled_mlp(self.accelerator.unwrap_model(model)))
             else:
                 self.forward_tokens += int(completion_mask.numel()) + int(prompt_mask.numel())
                 self.padding_tokens += int((completion_mask == 0).sum())
