@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 from legorl import provenance, shards
 from legorl.errors import LegorlError
 from legorl.paths import RunDir
-from legorl.schemas import GradeStatus, Kind, SegmentReason
+from legorl.schemas import Kind, SegmentReason, grade_is_infra
 from legorl.training.sampling import CallSampling
 
 _ROLLOUT_COLUMNS = ["task_id", "harness", "step", "group_id", "infra_failure", "segments", "calls"]
@@ -108,10 +108,6 @@ def available_steps(run: RunDir) -> list[int]:
     return sorted({int(s) for s in table.column("step").to_pylist()})
 
 
-def _grade_failed(grade: dict[str, Any]) -> bool:
-    return bool(grade["infra_failure"]) or grade["status"] == GradeStatus.INFRA_ERROR or grade["reward"] is None
-
-
 def load_step(
     run: RunDir,
     step: int | None = None,
@@ -156,7 +152,7 @@ def load_step(
             data.dropped["rollout_infra_failure"] += 1
             continue
         grade = grades[row["trial_id"]]
-        if _grade_failed(grade):
+        if grade_is_infra(grade["infra_failure"], grade["status"], grade["reward"]):
             data.dropped["grade_infra_error"] += 1
             continue
         masks = None
