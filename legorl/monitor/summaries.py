@@ -30,13 +30,6 @@ from legorl.shard_reading import dedupe, read_file
 
 # Bump when the summary's columns or what they mean change: older summaries are then recomputed.
 VERSION = 1
-FOLDER = ".summaries"
-SUFFIX = ".summary"
-_TAIL_BYTES = 64 * 1024
-_META_VERSION = b"legorl.summary_version"
-_META_PART = b"legorl.summary_of"
-_META_SIZE = b"legorl.part_size"
-_META_TAIL = b"legorl.part_tail"
 
 # The rollout columns a summary copies, and those it is computed from (not the token ids or logprobs).
 IDENTITY = ["trial_id", "task_id", "harness", "step", "sample_index", "group_id", "model", "outcome",
