@@ -45,14 +45,15 @@ def warm_model(out: Path, steps: int, seed: int) -> Path:
 
 
 def loop(run: Path, tasks_jsonl: Path, model: Path, args: argparse.Namespace, max_staleness: int) -> LoopTimes:
-    from legorl import provenance, shards
+    from legorl.core import shards
+    from legorl.core.paths import RunDir
+    from legorl.core.schemas import Kind
     from legorl.flows.online import OnlineConfig, run_online
     from legorl.grading.grader import GradeOptions
-    from legorl.paths import RunDir
-    from legorl.schemas import Kind
     from legorl.stages.rollout import RolloutConfig
     from legorl.stages.tasks import import_stage
     from legorl.training.config import TrainConfig
+    from legorl.trials import provenance
 
     import_stage(str(tasks_jsonl), RunDir.at(run).tasks)
     cfg = OnlineConfig(

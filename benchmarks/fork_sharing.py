@@ -11,7 +11,7 @@ only the header), and one sub-agent whose own prompt shares only that header lin
 
     python benchmarks/fork_sharing.py [--prefix 400] [--cycles 2] [--turns 2] [--threads 2] [--repeat 2]
 
-It prints each trial's fork cost (``legorl.costs.fork_cost``: segment tokens per sampled token, the
+It prints each trial's fork cost (``legorl.trials.costs.fork_cost``: segment tokens per sampled token, the
 share that is a prefix shared with an earlier segment), the tokens each way puts through the model,
 the wall time of an update each way and their ratio.
 """
@@ -113,8 +113,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from legorl.costs import fork_cost
     from legorl.training.packing import fork_clusters
+    from legorl.trials.costs import fork_cost
 
     model = tiny_model_dir()
     vocab = 8192

@@ -181,8 +181,8 @@ def _uv(log: Path) -> str:
 
 def tiny_models() -> tuple[Path, Path]:
     """The test suite's tiny dense and MoE models (legorl's cache; built offline in seconds if missing)."""
+    from legorl.core.paths import cache_dir
     from legorl.models import MODEL_RECIPE_VERSION, init_model
-    from legorl.paths import cache_dir
 
     out = []
     for kind, moe in (("dense", False), ("moe", True)):

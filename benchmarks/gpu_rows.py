@@ -50,9 +50,9 @@ def chat_sessions(base_url: str, n: int = 4, turns: int = 2, stream: bool = True
 def train_on(captures: list[Any], model: Path, run_dir: Path, **config: Any) -> Any:
     """One `legorl train` step on the captures (one group, rewards 0/1 alternating): the trainer's own
     recompute of every captured logprob gives the fidelity figures, and the step a checkpoint."""
-    from legorl import shards
-    from legorl.paths import RunDir
-    from legorl.schemas import GradeRow, Kind, Outcome, TrialRow
+    from legorl.core import shards
+    from legorl.core.paths import RunDir
+    from legorl.core.schemas import GradeRow, Kind, Outcome, TrialRow
     from legorl.stages.train import run_train
     from legorl.training.config import TrainConfig
 
@@ -68,7 +68,7 @@ def train_on(captures: list[Any], model: Path, run_dir: Path, **config: Any) -> 
 
 
 def fidelity(result: Any, captures: list[Any]) -> dict[str, Any]:
-    from legorl import metric_keys as mk
+    from legorl.core import metric_keys as mk
 
     m = result.metrics
     out = {"tokens": int(m[mk.TOKENS_SAMPLED]), "pearson": m[mk.LOGPROB_PEARSON],

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from legorl.schemas import TaskRow
+from legorl.core.schemas import TaskRow
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "examples" / "tasks" / "tasks.parquet"
@@ -167,9 +167,9 @@ def run_swebench(tasks: list[TaskRow], images: dict[str, str], concurrency: int,
 
 def run_legorl(tasks: list[TaskRow], concurrency: int, workdir: Path, run_id: str = "run",
                canaries: bool = True) -> tuple[float, dict[str, bool]]:
-    from legorl import shards
+    from legorl.core import shards
+    from legorl.core.schemas import Kind
     from legorl.grading.grader import GradeOptions
-    from legorl.schemas import Kind
     from legorl.stages.grade import gold_jobs, grade_stage
 
     tasks_dir = workdir / run_id / "tasks"

@@ -127,7 +127,7 @@ def engine_times(engine: Any, prompts: list[list[int]], max_tokens: int) -> list
 def find_litellm(arg: str | None) -> str | None:
     if arg:
         return arg
-    from legorl.paths import cache_dir
+    from legorl.core.paths import cache_dir
 
     cand = cache_dir() / "bench-litellm" / "bin" / "litellm"
     return str(cand) if cand.exists() else shutil.which("litellm")
@@ -179,10 +179,10 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from legorl.core.paths import cache_dir
     from legorl.engines.embedded import EmbeddedEngine
     from legorl.engines.scripted import ScriptedEngine
     from legorl.models import init_model
-    from legorl.paths import cache_dir
 
     model_dir = args.model
     if model_dir is None:

@@ -6,7 +6,7 @@ the way the stages write it (``ShardWriter``, batched), then compacted (``legorl
 Each operation runs in a forked child, so its peak memory (max RSS) is its own:
 
 - *write*: every row through ``ShardWriter`` (rollouts, grades, metrics);
-- *compact*: :func:`legorl.shard_compaction.compact_run` (it also writes the merged parts' summaries,
+- *compact*: :func:`legorl.core.shards.compaction.compact_run` (it also writes the merged parts' summaries,
   :mod:`legorl.monitor.summaries`);
 - *inspect*: ``legorl inspect`` of the run directory (:func:`legorl.monitor.inspect.inspect_path`
   and the health summary the command prints with it);
@@ -43,9 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from legorl import shards
-from legorl.paths import RunDir
-from legorl.schemas import (
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import (
     Call,
     GradeRow,
     GradeStatus,
@@ -173,8 +173,8 @@ def operations(run: Path, trials: int, rows_per_part: int, compact: bool, out: P
     def compact_it() -> Any:
         if not compact:
             return None
+        from legorl.core.shards.compaction import compact_run
         from legorl.monitor.summaries import merge
-        from legorl.shard_compaction import compact_run
 
         return sum(r.replaced for r in compact_run(run, on_merge=merge))
 

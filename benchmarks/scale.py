@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from legorl.engines.base import Engine, SamplingParams
-from legorl.executors import Executor, ExecutorName, LocalExecutor, RayExecutor, Work
+from legorl.trials.executors import Executor, ExecutorName, LocalExecutor, RayExecutor, Work
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "examples" / "tasks" / "tasks.parquet"
@@ -82,9 +82,9 @@ def _policy(call: object) -> str:
 
 
 def rollout(proxy_url: str, executor: ExecutorName, concurrency: int, trials: int, workdir: Path) -> dict[str, Any]:
-    from legorl import shards
+    from legorl.core import shards
+    from legorl.core.schemas import Kind
     from legorl.proxy.clients import RemoteProxy
-    from legorl.schemas import Kind
     from legorl.stages.rollout import RolloutConfig, rollout_stage
     from legorl.tasks.importer import import_tasks
 
@@ -105,8 +105,8 @@ def rollout(proxy_url: str, executor: ExecutorName, concurrency: int, trials: in
 
 def tiny_model() -> Path:
     """The tests' tiny dense model, built once into the same cache ``tests/conftest.py`` uses."""
+    from legorl.core.paths import cache_dir
     from legorl.models import MODEL_RECIPE_VERSION, init_model
-    from legorl.paths import cache_dir
 
     model = cache_dir() / MODEL_DIR / f"dense-v{MODEL_RECIPE_VERSION}"
     if not (model / "config.json").exists():

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
-from legorl import shards
-from legorl.schemas import Call, Kind, Segment, TrialRow
+from legorl.core import shards
+from legorl.core.schemas import Call, Kind, Segment, TrialRow
 
 
 def make_trials(n: int, tokens: int, seed: int = 0, as_lists: bool = False) -> list[TrialRow]:

@@ -116,8 +116,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     if args.model is None:
+        from legorl.core.paths import cache_dir
         from legorl.models import MODEL_RECIPE_VERSION, init_model
-        from legorl.paths import cache_dir
 
         args.model = cache_dir() / "test-models" / f"dense-v{MODEL_RECIPE_VERSION}"
         if not (args.model / "config.json").exists():

@@ -185,8 +185,8 @@ def run_plain_trl(
 
 
 def tiny_model_dir() -> Path:
+    from legorl.core.paths import cache_dir
     from legorl.models import MODEL_RECIPE_VERSION, init_model
-    from legorl.paths import cache_dir
 
     model_dir = cache_dir() / "test-models" / f"dense-v{MODEL_RECIPE_VERSION}"
     if not (model_dir / "config.json").exists():
@@ -198,7 +198,7 @@ def wide_model_dir(vocab: int) -> Path:
     """The tiny model's architecture with a ``vocab``-token embedding (tied head), random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from legorl.paths import cache_dir
+    from legorl.core.paths import cache_dir
 
     tiny = tiny_model_dir()
     if vocab == AutoConfig.from_pretrained(tiny).vocab_size:

@@ -23,7 +23,7 @@ from legorl.cli import (
     vllm_cmd,
 )
 from legorl.cli.common import console
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 
 # --help in a terminal is rich's boxed table, fitted to the window. Anywhere else (a pipe, a log, CI) it is
 # click's plain text with no width limit: rich would fit it to 80 columns and cut option names short.

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from legorl.errors import ConfigError, LegorlError
+from legorl.core.errors import ConfigError, LegorlError
 
 Format = Literal["yaml", "toml"]
 FORMATS: dict[str, Format] = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}

@@ -11,7 +11,7 @@ import typer
 
 from legorl.cli.common import JsonOption, console, print_json
 from legorl.cli.options import ConfigOptions, with_configs
-from legorl.evaluation import EvalSettings
+from legorl.flows.evaluation import EvalSettings
 from legorl.flows.policy import POLICY_FIELDS, PolicySpec
 from legorl.grading.grader import GRADE_FIELDS, GradeOptions  # taken prefixed --grade-: --grade-timeout, …
 from legorl.proxy.limits import ProxyLimits

@@ -11,8 +11,8 @@ import typer
 
 from legorl.cli.common import JsonOption, OptionalRunOption, console, fail, print_json
 from legorl.cli.options import ConfigOptions, with_configs
-from legorl.executors import ExecutorOptions
 from legorl.grading.grader import GradeOptions
+from legorl.trials.executors import ExecutorOptions
 
 
 def register(app: typer.Typer) -> None:
@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Grade patches in fresh containers: hidden tests, SWE-bench's rules; resumable."""
         from legorl.cli.progress import StageBar, graded
-        from legorl.paths import RunDir
+        from legorl.core.paths import RunDir
         from legorl.stages import grade as stage
 
         if gold and predictions is not None:
@@ -42,8 +42,8 @@ def register(app: typer.Typer) -> None:
         rd = RunDir.at(run) if run is not None else None
         tasks_dir = tasks or (rd.tasks if rd else Path())
         out_dir = out or (rd.grades if rd else Path())
-        from legorl import shards
-        from legorl.schemas import Kind
+        from legorl.core import shards
+        from legorl.core.schemas import Kind
 
         task_map = {t.instance_id: t for t in shards.read_rows(tasks_dir, Kind.TASKS)}
         if not task_map:

@@ -24,7 +24,7 @@ def _value(value: Any) -> str:
 
 def _breakdown(d: dict[str, Any]) -> str:
     """One dataset's breakdown as short "key: value" parts (a metrics dataset: its headline figures)."""
-    from legorl import metric_keys as mk
+    from legorl.core import metric_keys as mk
 
     breakdown = dict(d["breakdown"])
     last = breakdown.pop("last", None)

@@ -10,9 +10,9 @@ from typing import Any
 
 import typer
 
-from legorl import metric_keys as mk
 from legorl.cli.common import JsonOption, console, print_json
 from legorl.cli.options import ConfigOptions, with_configs
+from legorl.core import metric_keys as mk
 from legorl.flows.online import OnlineConfig
 from legorl.flows.policy import PolicySpec
 from legorl.grading.grader import GRADE_FIELDS, GradeOptions
@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         """Run the online loop: each step rolls out with the latest policy, grades, trains, reloads."""
         import dataclasses
 
-        from legorl.errors import LegorlError
+        from legorl.core.errors import LegorlError
         from legorl.flows.online import OnlineStep, run_online
         from legorl.flows.policy import require_model_dir
         from legorl.training.config import TrainConfig

@@ -10,7 +10,7 @@ the command-line string to the field's value; list fields are comma-separated wi
     def rollout_command(cfg: RolloutConfig, model: ModelOption = None) -> None: ...
 
 and :func:`with_configs` gives the command one option per field and calls it with the config
-built from them (its ``__post_init__`` validates; a :class:`~legorl.errors.ConfigError` is the
+built from them (its ``__post_init__`` validates; a :class:`~legorl.core.errors.ConfigError` is the
 one-line error the user sees). Composed commands (``legorl loop``) take several configs; a
 ``prefix`` keeps their options apart (``--grade-timeout``).
 
@@ -50,7 +50,7 @@ from legorl.cli.config_files import (
     sequence_type,
     shown,
 )
-from legorl.errors import ConfigError, LegorlError
+from legorl.core.errors import ConfigError, LegorlError
 
 HELP, ALIASES, PARSE = "help", "aliases", "parse"
 FILE_PARAMS = ("config_file", "print_config", "print_format")  # the options with_configs adds for config files

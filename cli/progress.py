@@ -28,7 +28,7 @@ from rich.progress import (
 )
 
 from legorl.cli.common import LOG_INTERVAL_S, Ticker, console, elapsed, log_line
-from legorl.schemas import GradeRow, TrialRow
+from legorl.core.schemas import GradeRow, TrialRow
 
 RowT = TypeVar("RowT")
 

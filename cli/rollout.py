@@ -24,8 +24,8 @@ def register(app: typer.Typer) -> None:
         import time
 
         from legorl.cli.progress import Outcomes, StageBar, loading
+        from legorl.core.schemas import TrialRow
         from legorl.flows.policy import open_policy, require_model_dir
-        from legorl.schemas import TrialRow
         from legorl.stages.rollout import rollout_stage
 
         policy.validate()

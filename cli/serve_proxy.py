@@ -49,16 +49,17 @@ def register(app: typer.Typer) -> None:
         With --run, every finished session (POST /sess/<id>/finish, or all open ones at shutdown)
         is written to RUN/proxy/ as a rollouts shard (harness "external").
         """
-        from legorl.errors import LegorlError
+        from legorl.core.errors import LegorlError
         from legorl.proxy.core import SamplingOverride
         from legorl.proxy.server import ProxyServer, load_tokenizer
+        from legorl.trials.external import ShardSink
 
         try:
             tokenizer = load_tokenizer(engine_config.model)
             with console.status(f"loading the {engine_config.engine} engine ..."):
                 eng = engine_config.build()
             server = ProxyServer(eng, tokenizer, host=host, port=port, api_key=api_key, budgets=budgets,
-                                 run_dir=run, parser=parser,
+                                 on_finish=ShardSink(run) if run is not None else None, parser=parser,
                                  sampling=(SamplingOverride.policy(temperature, top_p) if temperature is not None
                                            else SamplingOverride(top_p=top_p)),
                                  single_session=single_session, limits=limits).start()

@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
 
         Safe while stages write and readers read, and after a kill: the next compaction finishes
         the killed one's work."""
-        from legorl import shards
+        from legorl.core import shards
         from legorl.monitor import summaries
         from legorl.monitor.inspect import detect_kind
 

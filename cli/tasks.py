@@ -27,7 +27,7 @@ def import_command(
     json_out: JsonOption = False,
 ) -> None:
     """Import SWE-bench-schema task rows into RUN/tasks (rows already there unchanged are skipped)."""
-    from legorl.paths import RunDir
+    from legorl.core.paths import RunDir
     from legorl.stages.tasks import import_stage
 
     result = import_stage(source, RunDir.at(run).tasks, split=split, limit=limit, instance_ids=instance_id,
@@ -60,7 +60,7 @@ def build_command(
     json_out: JsonOption = False,
 ) -> None:
     """Build SWE-smith-style tasks from real libraries, offline; with --run, import them too."""
-    from legorl.paths import RunDir
+    from legorl.core.paths import RunDir
     from legorl.sandbox.reaper import reap
     from legorl.stages.tasks import build_stage
     from legorl.tasks.build_options import BuildOptions
@@ -82,7 +82,7 @@ def list_command(run: RunOption, json_out: JsonOption = False) -> None:
     """List the tasks of RUN/tasks, by instance id: the order `rollout --limit N` takes the first N in."""
     from rich.table import Table
 
-    from legorl.paths import RunDir
+    from legorl.core.paths import RunDir
     from legorl.stages.tasks import list_tasks
 
     tasks = sorted(list_tasks(RunDir.at(run).tasks), key=lambda t: t.instance_id)
@@ -115,8 +115,8 @@ def canaries_command(
     process can evade (docs/threat-model.md). Train on the checked ones with --into."""
     from rich.table import Table
 
+    from legorl.core.paths import RunDir
     from legorl.grading.coverage import CHECKED
-    from legorl.paths import RunDir
     from legorl.sandbox.reaper import reap
     from legorl.stages.tasks import canaries_stage
 

@@ -7,9 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
-from legorl import metric_keys as mk
 from legorl.cli.common import JsonOption, RunOption, console, print_json
 from legorl.cli.options import ConfigOptions, with_configs
+from legorl.core import metric_keys as mk
 from legorl.training.options import TRAIN_CLI_FIELDS, TrainOptions
 
 

@@ -85,8 +85,8 @@ def serve_command(
     Prints one JSON line on stdout: ``base_url`` (for `--engine vllm --upstream URL`), ``model`` and
     ``pid`` (the server's process group). Killed outright, it takes the server with it.
     """
+    from legorl.core.errors import LegorlError
     from legorl.engines.vllm_server import VLLMServer
-    from legorl.errors import LegorlError
 
     server = VLLMServer(model, name=name, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     try:

@@ -28,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 
 #: Bump when anything below changes what ``init_model`` produces (caches key on it).
 MODEL_RECIPE_VERSION = 1

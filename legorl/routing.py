@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:

@@ -4,7 +4,7 @@ Resumable: trials already graded (a grade row that is not an infrastructure fail
 rows are committed one part file per grade as they finish, and containers a killed earlier run
 left behind are reaped first. So after a SIGKILL a rerun loses nothing that was written and
 grades nothing twice. ``--shard i/n`` grades only the trials whose key hashes to shard ``i``;
-``--executor ray`` grades on a Ray cluster's nodes (:mod:`legorl.executors`), where a grade lost
+``--executor ray`` grades on a Ray cluster's nodes (:mod:`legorl.trials.executors`), where a grade lost
 with its worker runs again and, past its retries, is an infrastructure failure.
 """
 
@@ -19,13 +19,13 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from legorl import shards
-from legorl.errors import LegorlError
-from legorl.executors import ExecutorOptions, Work
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.jsonfiles import LONE_SURROGATE, json_lines, loads, read_utf8
+from legorl.core.schemas import GradeRow, GradeStatus, Kind, TaskRow, trial_key
 from legorl.grading.fingerprint import grade_fingerprint
 from legorl.grading.grader import GradeOptions, Grader
-from legorl.jsonfiles import LONE_SURROGATE, json_lines, loads, read_utf8
-from legorl.schemas import GradeRow, GradeStatus, Kind, TaskRow, trial_key
+from legorl.trials.executors import ExecutorOptions, Work
 
 GOLD_HARNESS = "gold"
 

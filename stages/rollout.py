@@ -1,8 +1,8 @@
 """The rollout stage: tasks × harnesses × samples → one trial row each in ``rollouts/``.
 
 What one trial is (sandbox, proxy session, harness, patch, cleanup, retries) is
-:mod:`legorl.trials`; this stage plans the trials that are missing (of its ``--shard``, if any),
-runs them on an executor (:mod:`legorl.executors`: a thread pool here, or Ray tasks that reach the
+:mod:`legorl.trials.lifecycle`; this stage plans the trials that are missing (of its ``--shard``, if any),
+runs them on an executor (:mod:`legorl.trials.executors`: a thread pool here, or Ray tasks that reach the
 proxy by its URL) against a :class:`~legorl.proxy.clients.ProxyHandle`, and commits rows one per
 trial, so a killed run loses only the trials in flight, and a rerun does only what is missing
 (infra-failed rows are retried too). A trial whose Ray worker was lost is an infrastructure
@@ -20,26 +20,26 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from legorl import shards
-from legorl.costs import trial_cost
+from legorl.core import shards
+from legorl.core.errors import ConfigError, LegorlError
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind, Outcome, TrialRow, trial_key
 from legorl.engines.watched import WatchedEngine
-from legorl.errors import ConfigError, LegorlError
-from legorl.executors import ExecutorOptions, Work
-from legorl.fingerprints import trial_fingerprint
 from legorl.harnesses import get as get_harness
 from legorl.harnesses.install import require
 from legorl.harnesses.processes import kill_host_processes
-from legorl.paths import RunDir
 from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
 from legorl.proxy.limits import ProxyLimits
-from legorl.schemas import Kind, Outcome, TrialRow, trial_key
-from legorl.trials import SandboxFactory, TrialJob, TrialOptions, TrialRunner, image_for
+from legorl.trials.costs import trial_cost
+from legorl.trials.executors import ExecutorOptions, Work
+from legorl.trials.fingerprints import trial_fingerprint
+from legorl.trials.lifecycle import SandboxFactory, TrialJob, TrialOptions, TrialRunner, image_for
 
 
 @dataclass(kw_only=True)
 class RolloutConfig(TrialOptions, ExecutorOptions):
-    """Options of ``legorl rollout``: the trials' (:class:`~legorl.trials.TrialOptions`), where they run
-    (:class:`~legorl.executors.ExecutorOptions`) and the stage's."""
+    """Options of ``legorl rollout``: the trials' (:class:`~legorl.trials.lifecycle.TrialOptions`), where they run
+    (:class:`~legorl.trials.executors.ExecutorOptions`) and the stage's."""
 
     run: Path = field(metadata={"help": "Run directory; the stage derives its inputs and outputs from it."})
     step: int = field(default=0, metadata={"help": "Policy step these trials belong to."})

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from legorl import shards
-from legorl.schemas import Kind, TaskRow
+from legorl.core import shards
+from legorl.core.schemas import Kind, TaskRow
 from legorl.tasks.importer import ImportResult, import_tasks
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def canaries_stage(
 ) -> list[TaskCanaries]:
     """Each task's canaries by form (:mod:`legorl.grading.coverage`); with ``into``, the tasks whose
     passes are checked from outside the test process are added to that tasks folder."""
-    from legorl.errors import LegorlError
+    from legorl.core.errors import LegorlError
     from legorl.grading.coverage import survey
     from legorl.grading.grader import Grader
     from legorl.tasks.importer import add_tasks

@@ -1,6 +1,6 @@
 """The train stage: ``rollouts/`` + ``grades/`` of one policy step -> a checkpoint and ``train/metrics/``.
 
-Checkpoints (layout: :class:`legorl.paths.Checkpoints`): ``train/checkpoints/step-<S>`` is the
+Checkpoints (layout: :class:`legorl.core.paths.Checkpoints`): ``train/checkpoints/step-<S>`` is the
 policy after training on the rollouts of step S, i.e. the policy that samples step S+1. It is a
 Hugging Face model folder (weights, config, tokenizer) plus the trainer's state (optimizer, LR
 schedule, RNG, ``trainer_state.json``) and ``legorl_train.json`` (what went in, the step's
@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.errors import LegorlError
-from legorl.paths import INFO_FILE, Checkpoints, RunDir
-from legorl.provenance import Staleness
-from legorl.schemas import Kind
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import INFO_FILE, Checkpoints, RunDir
+from legorl.core.schemas import Kind
 from legorl.training.advantages import group_advantages
 from legorl.training.batching import make_batches, token_micro_batches
 from legorl.training.config import TrainConfig
@@ -39,6 +38,7 @@ from legorl.training.data import StepData, load_step
 from legorl.training.metrics import MetricsRecorder, harness_split
 from legorl.training.sampling import StepSampling, step_sampling
 from legorl.training.weighting import segment_scales
+from legorl.trials.provenance import Staleness
 
 log = logging.getLogger(__name__)
 

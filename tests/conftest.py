@@ -31,8 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _model(kind: str, moe: bool) -> Path:
+    from legorl.core.paths import cache_dir
     from legorl.models import MODEL_RECIPE_VERSION, init_model
-    from legorl.paths import cache_dir
 
     out = cache_dir() / "test-models" / f"{kind}-v{MODEL_RECIPE_VERSION}"
     if not (out / "config.json").exists():

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from legorl.core.schemas import GradeRow, TaskRow
 from legorl.grading.grader import Grader
-from legorl.schemas import GradeRow, TaskRow
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "examples" / "tasks" / "tasks.parquet"

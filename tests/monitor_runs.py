@@ -1,4 +1,4 @@
-"""Realistic run directories for the monitor and dashboard tests, written with ``legorl.shards``.
+"""Realistic run directories for the monitor and dashboard tests, written with ``legorl.core.shards``.
 
 Trajectories follow the tool shapes of the real harnesses: mini-swe-agent's ``bash`` tool,
 OpenHands' ``terminal``/``file_editor``/``finish``, OpenCode's ``read``/``edit``/``bash``. Each
@@ -13,10 +13,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.paths import RunDir
-from legorl.schemas import (
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import (
     Call,
     GradeRow,
     GradeStatus,

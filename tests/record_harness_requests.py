@@ -216,8 +216,8 @@ def record(name: str, tiny_model: Path, work: Path) -> Path:
 
 
 def main(names: list[str]) -> None:
+    from legorl.core.paths import cache_dir
     from legorl.models import MODEL_RECIPE_VERSION, init_model
-    from legorl.paths import cache_dir
 
     tiny = cache_dir() / "test-models" / f"dense-v{MODEL_RECIPE_VERSION}"
     if not (tiny / "config.json").exists():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from legorl import shards
-from legorl.schemas import Kind, TaskRow
+from legorl.core import shards
+from legorl.core.schemas import Kind, TaskRow
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "examples" / "tasks" / "tasks.parquet"

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from legorl import shards
-from legorl.schemas import GradeRow, Kind, MetricRow, Segment, TrialRow
+from legorl.core import shards
+from legorl.core.schemas import GradeRow, Kind, MetricRow, Segment, TrialRow
 
 COMMANDS = ["serve-proxy", "rollout", "grade", "train", "eval", "tasks", "model", "harness", "setup", "inspect", "dashboard"]
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from legorl.cli.app import app as legorl_app
 from legorl.cli.options import ConfigOptions, with_configs
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from legorl.cli.options import ConfigOptions, with_configs
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 
 
 def _upper(text: str) -> list[str]:

@@ -10,8 +10,8 @@ from monitor_runs import make_run, write_step
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
-from legorl import metric_keys as mk
 from legorl.cli.app import app as cli_app
+from legorl.core import metric_keys as mk
 from legorl.monitor import report
 from legorl.monitor.dashboard.export import export
 from legorl.monitor.dashboard.server import create_app

@@ -20,12 +20,12 @@ from monitor_runs import make_run, write_step
 from train_support import TrialSpec, stale_run, trained_run
 from train_support import make_run as make_train_run
 
-from legorl import metric_keys as mk
-from legorl import shards
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.schemas import Kind
 from legorl.monitor import report
 from legorl.monitor.dashboard.export import export
 from legorl.monitor.dashboard.server import create_app
-from legorl.schemas import Kind
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent / "artifacts" / "dashboard"

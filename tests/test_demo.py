@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from legorl import metric_keys as mk
-from legorl import shards
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.schemas import Kind
 from legorl.demo.sft import FINAL_ANSWER, batch_loss, conversation, examples, render
 from legorl.demo.taskgen import KINDS, generate, write_task_set
-from legorl.schemas import Kind
 
 
 def test_task_family_is_deterministic_and_varied() -> None:

@@ -26,16 +26,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from legorl.core.errors import ConfigError, LegorlError
+from legorl.core.schemas import Outcome
 from legorl.engines.base import SamplingParams, current_session
 from legorl.engines.config import EngineConfig
 from legorl.engines.embedded import EmbeddedEngine
 from legorl.engines.pool import EnginePool, NoLiveEngine, split_upstreams
-from legorl.errors import ConfigError, LegorlError
 from legorl.flows.policy import PolicySpec
 from legorl.harnesses.base import End, HarnessRun, ProxyView, classify
 from legorl.proxy.server import ProxyServer
 from legorl.proxy.sessions import SessionCapture
-from legorl.schemas import Outcome
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
@@ -60,7 +60,7 @@ def _ask(proxy: ProxyServer, sid: str, stream: bool = False) -> str:
 
 
 def _outcome(capture: SessionCapture) -> Outcome:
-    """The trial outcome `legorl rollout` gives this session (legorl/trials.py builds the same view)."""
+    """The trial outcome `legorl rollout` gives this session (legorl/trials/lifecycle.py builds the same view)."""
     view = ProxyView(calls=sum(1 for c in capture.calls if not c.budget_stop), budget_stop=capture.budget_stop,
                      engine_error=capture.engine_errors[-1] if capture.engine_errors else None,
                      in_flight=capture.in_flight)

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from legorl.core.errors import ConfigError, LegorlError
 from legorl.engines import Engine, PromptTooLong, make_engine
 from legorl.engines.base import Generation, SamplingParams, TokenChunk
 from legorl.engines.embedded import EmbeddedEngine, process_logits
 from legorl.engines.scripted import ScriptedCall, ScriptedEngine
-from legorl.errors import ConfigError, LegorlError
 
 PROMPTS = [list(range(200 + 11 * i, 230 + 13 * i)) for i in range(6)]
 

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 from monitor_runs import HARNESSES, TASKS, make_run, write_step
 
-from legorl import evaluation, shards
-from legorl.errors import LegorlError
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import Kind
+from legorl.flows import evaluation
 from legorl.monitor.passk import pass_at_k
-from legorl.schemas import Kind
 
 PROXY = "http://127.0.0.1:9"  # never contacted: every trial is already done
 

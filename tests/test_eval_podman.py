@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from rollout_support import SHIPPED, scripted, solving_script, tool_call
 
-from legorl import shards
-from legorl.schemas import Kind, TaskRow
+from legorl.core import shards
+from legorl.core.schemas import Kind, TaskRow
 
 pytestmark = [pytest.mark.podman, pytest.mark.harness, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""Fingerprints and cost per trial (legorl.fingerprints, legorl.costs): on the rows a real rollout and
+"""Fingerprints and cost per trial (legorl.trials.fingerprints, legorl.trials.costs): on the rows a real rollout and
 grade write (real podman, real mini-swe-agent, the real proxy on a scripted engine), a run whose
 rows mix harness configs flagged by ``legorl inspect``, the model revision of the real tiny model,
 and the cost figures of ``legorl eval``'s report and the dashboard against a hand count of the calls."""
@@ -19,10 +19,12 @@ from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 import legorl
-from legorl import costs, digests, evaluation, fingerprints, shards
 from legorl.cli.app import app as cli_app
+from legorl.core import digests, shards
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import Kind, TaskRow, TrialRow
 from legorl.engines.scripted import ScriptedEngine
-from legorl.errors import LegorlError
+from legorl.flows import evaluation
 from legorl.grading import fingerprint as grade_fingerprints
 from legorl.grading.grader import GRADER_VERSION, GradeOptions
 from legorl.monitor import report as monitor_report
@@ -30,9 +32,9 @@ from legorl.monitor.dashboard.server import create_app
 from legorl.monitor.health import health_summary
 from legorl.monitor.inspect import inspect_path
 from legorl.proxy.clients import InProcessProxy
-from legorl.schemas import Kind, TaskRow, TrialRow
 from legorl.stages.grade import grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, rollout_stage
+from legorl.trials import costs, fingerprints
 
 ROOT = Path(__file__).resolve().parents[1]
 MINI_CONFIG = ROOT / "examples" / "cpu-demo" / "mini-swe-agent.yaml"
@@ -232,7 +234,7 @@ def test_harness_versions_come_from_what_is_installed() -> None:
 def test_rows_of_lost_trials_and_grades_say_what_would_have_made_them(tmp_path: Path) -> None:
     from legorl.stages.grade import Grading, Job
     from legorl.stages.rollout import RemoteTrials
-    from legorl.trials import TrialJob
+    from legorl.trials.lifecycle import TrialJob
 
     cfg = RolloutConfig(run=tmp_path / "run", harnesses=["simple"], retries=1, executor="ray")
     task = TaskRow(instance_id="t-1", test_command="pytest -x", image="localhost/none-such:1")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import GradeRow, Kind, TaskRow
 from legorl.grading.grader import GradeOptions, Grader
-from legorl.schemas import GradeRow, Kind, TaskRow
 from legorl.tasks.builder import flaky_tests, validate
 
 ROOT = Path(__file__).resolve().parents[1]

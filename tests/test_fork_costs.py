@@ -1,5 +1,5 @@
 """What forks cost: segment tokens per sampled token and the shared-prefix share of a trial
-(``legorl.costs.fork_cost``), where ``legorl inspect`` and the dashboard show them, and the trainer's
+(``legorl.trials.costs.fork_cost``), where ``legorl inspect`` and the dashboard show them, and the trainer's
 prefix sharing over forks of forks and sub-agents (``legorl.training.packing.fork_clusters``)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch
 from monitor_runs import make_run
 from starlette.testclient import TestClient
 
-from legorl import shards
-from legorl.costs import fork_cost, segments_fork_cost
+from legorl.core import shards
+from legorl.core.schemas import Kind, Segment, TrialRow
 from legorl.monitor.dashboard.server import create_app
 from legorl.monitor.inspect import inspect_path
-from legorl.schemas import Kind, Segment, TrialRow
 from legorl.training.packing import fork_clusters, pack
+from legorl.trials.costs import fork_cost, segments_fork_cost
 
 
 def _seg(ids: list[int], sampled: int, reason: str = "main", parent: int | None = None) -> Segment:

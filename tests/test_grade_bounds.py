@@ -57,7 +57,7 @@ _flood()
 GRADE = r'''
 import json, sys
 from legorl.grading.grader import GradeOptions, Grader
-from legorl.schemas import TaskRow
+from legorl.core.schemas import TaskRow
 
 def hwm_mb():
     for line in open("/proc/self/status"):

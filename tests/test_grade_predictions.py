@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from legorl.errors import LegorlError
-from legorl.schemas import TaskRow
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import TaskRow
 from legorl.stages.grade import prediction_jobs
 
 TASKS = {i: TaskRow(instance_id=i, FAIL_TO_PASS=["t.py::a"]) for i in ("a__b-1", "a__b-2")}

@@ -162,8 +162,8 @@ from grading_support import (
     new_file,
 )
 
+from legorl.core.schemas import GradeRow, TaskRow
 from legorl.grading.grader import GradeOptions, Grader
-from legorl.schemas import GradeRow, TaskRow
 
 pytestmark = pytest.mark.podman
 
@@ -1239,8 +1239,8 @@ STAGE_ATTACKS = ("apply/symlink-tox.ini-to-clear_refs", "forge/rewrite-grading-s
 def test_grade_stage_survives_a_nasty_batch(base_image: str, tmp_path: Path) -> None:
     """grade_stage on the nastiest patches of one task plus the gold patch of another: one row per
     trial, gold 1, every attack 0 and not infra, and a rerun grades nothing twice."""
-    from legorl import shards
-    from legorl.schemas import Kind
+    from legorl.core import shards
+    from legorl.core.schemas import Kind
     from legorl.stages.grade import Job, grade_stage
 
     tasks = load_tasks()

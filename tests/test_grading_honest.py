@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from grading_support import TASKS, Tree, describe, grade_one, shipped_tasks
 
+from legorl.core.schemas import GradeRow, TaskRow
 from legorl.grading.grader import GradeOptions, Grader
-from legorl.schemas import GradeRow, TaskRow
 
 pytestmark = pytest.mark.podman
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from legorl.core.schemas import Resolution
 from legorl.grading.logparse import (
     END_MARKER,
     EXIT_CODE_MARKER,
@@ -19,7 +20,6 @@ from legorl.grading.logparse import (
     split_log,
 )
 from legorl.grading.report import evaluate
-from legorl.schemas import Resolution
 
 SUITE = textwrap.dedent(
     """

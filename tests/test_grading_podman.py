@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from grading_support import REPORT_PATCH, SHIPPED, new_file, shipped_tasks, task_repo
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import GradeRow, Kind, TaskRow
 from legorl.grading.grader import GradeOptions, Grader
 from legorl.grading.patches import touched_paths
-from legorl.schemas import GradeRow, Kind, TaskRow
 
 pytestmark = pytest.mark.podman
 

@@ -118,8 +118,8 @@ from grading_support import (
     task_repo,
 )
 
+from legorl.core.schemas import GradeRow, TaskRow
 from legorl.grading.grader import GradeOptions, Grader
-from legorl.schemas import GradeRow, TaskRow
 
 pytestmark = pytest.mark.podman
 
@@ -446,8 +446,8 @@ def test_honest_fix_scores(attack: Attack, graded: dict[str, GradeRow | str]) ->
 @pytest.mark.parametrize("jid", sorted(UNWRITABLE))
 def test_grade_row_can_be_written(jid: str, graded: dict[str, GradeRow | str]) -> None:
     """Every row a patch gets must fit the grades schema (else the stage's writer raises)."""
-    from legorl import shards
-    from legorl.schemas import Kind
+    from legorl.core import shards
+    from legorl.core.schemas import Kind
 
     row = graded[jid]
     assert isinstance(row, GradeRow), f"{jid}: {row}"
@@ -457,8 +457,8 @@ def test_grade_row_can_be_written(jid: str, graded: dict[str, GradeRow | str]) -
 
 def test_grade_stage_survives_rows_with_surrogates(env: Ctx) -> None:
     """grade_stage on a gold patch and the patches above: one row each, never a ShardError."""
-    from legorl import shards
-    from legorl.schemas import Kind
+    from legorl.core import shards
+    from legorl.core.schemas import Kind
     from legorl.stages.grade import Job, grade_stage
 
     tasks_dir, out_dir = env.tmp / "stage" / "tasks", env.tmp / "stage" / "grades"

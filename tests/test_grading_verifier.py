@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from grading_support import SHIPPED, shipped_tasks
 
-from legorl import shards
-from legorl.errors import ConfigError
+from legorl.core import shards
+from legorl.core.errors import ConfigError
+from legorl.core.schemas import GradeRow, GradeStatus, Kind, TaskRow
 from legorl.grading.grader import GradeOptions, Grader
-from legorl.schemas import GradeRow, GradeStatus, Kind, TaskRow
 
 pytestmark = pytest.mark.podman
 

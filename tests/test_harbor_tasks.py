@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import GradeRow, Kind, TaskRow
 from legorl.grading.harbor import parse_reward
 from legorl.grading.script import Events
 from legorl.sandbox.host import podman_env
-from legorl.schemas import GradeRow, Kind, TaskRow
 from legorl.tasks.harbor import HarborTaskError, read_task, task_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,7 +244,7 @@ def test_a_trial_patch_from_testbed_grades(harbor_run: Path) -> None:
     from legorl.grading.grader import GradeOptions, Grader
     from legorl.sandbox.base import SandboxSpec
     from legorl.sandbox.podman import PodmanBackend
-    from legorl.trials import TrialRunner
+    from legorl.trials.lifecycle import TrialRunner
 
     task = next(t for t in shards.read_rows(harbor_run / "tasks", Kind.TASKS) if t.instance_id == "fix-fizzbuzz")
 

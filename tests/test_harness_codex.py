@@ -21,13 +21,13 @@ import pytest
 from codex_recorder import Recorder, RecordingServer
 from rollout_support import fix_command, import_one, scripted, tool_call
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import Kind, Outcome
 from legorl.harnesses import HARNESSES, get
 from legorl.harnesses.base import End, HarnessRun, ProxyView, TrialPaths, TrialSpec, classify
 from legorl.harnesses.codex import CODEX_HOME, Codex, end_of, to_toml
 from legorl.harnesses.install import Installation, installed
 from legorl.harnesses.processes import ProcResult
-from legorl.schemas import Kind, Outcome
 
 URL = "http://127.0.0.1:4180/sess/trial-1/v1"
 HAS_RESPONSES_API = importlib.util.find_spec("legorl.proxy.responses_api") is not None
@@ -200,7 +200,7 @@ def test_scripted_fix_in_the_sandbox_grades_to_one(base_image: str, tmp_path: Pa
     from legorl.harnesses.channel import ProxyChannel
     from legorl.sandbox.base import SandboxSpec
     from legorl.sandbox.podman import PodmanBackend
-    from legorl.trials import TrialRunner, image_for
+    from legorl.trials.lifecycle import TrialRunner, image_for
 
     _binary()
     run = tmp_path / "run"

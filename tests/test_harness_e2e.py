@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from rollout_support import import_one
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import Kind, Outcome
 from legorl.engines.embedded import EmbeddedEngine
 from legorl.harnesses.install import RECIPES
 from legorl.proxy.clients import InProcessProxy
 from legorl.proxy.sessions import SessionCapture
-from legorl.schemas import Kind, Outcome
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman, pytest.mark.harness, pytest.mark.slow]

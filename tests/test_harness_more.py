@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from rollout_support import fix_command, import_one, local_task, scripted, tool_call, write_tasks
 
-from legorl import shards
-from legorl.errors import LegorlError
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import Kind, Outcome
 from legorl.harnesses import HARNESSES, REAL, qwen_code
 from legorl.harnesses import aider as aider_mod
 from legorl.harnesses import pi as pi_mod
 from legorl.harnesses.base import End, TrialPaths, TrialSpec
 from legorl.harnesses.install import NODE_RUNTIME, RECIPES, Installation, find_python, installed, node_cli
 from legorl.harnesses.processes import ProcResult
-from legorl.schemas import Kind, Outcome
 
 NEW = ("qwen-code", "pi", "aider")
 URL = "http://127.0.0.1:4180/sess/trial-1/v1"

@@ -19,9 +19,10 @@ from types import ModuleType
 import pytest
 from rollout_support import import_one
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import Kind, Outcome, TaskRow, TrialRow
 from legorl.engines.scripted import ScriptedEngine
-from legorl.errors import LegorlError
 from legorl.harnesses import HARNESSES, parse_names
 from legorl.harnesses.base import (
     End,
@@ -37,7 +38,6 @@ from legorl.harnesses.install import RECIPES, Installation, installed
 from legorl.harnesses.terminus import RUNNER, Terminus2
 from legorl.proxy.clients import InProcessProxy
 from legorl.sandbox.base import Sandbox
-from legorl.schemas import Kind, Outcome, TaskRow, TrialRow
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 NAME = "terminus-2"
@@ -202,7 +202,7 @@ def test_its_container_has_no_network_and_mounts_the_install_read_only(tmp_path:
     from legorl.harnesses import get
     from legorl.harnesses.channel import CONTAINER_DIR, ProxyChannel
     from legorl.sandbox.podman import PodmanBackend
-    from legorl.trials import TrialJob, TrialRunner
+    from legorl.trials.lifecycle import TrialJob, TrialRunner
 
     inst = installed(NAME)
     if inst is None:

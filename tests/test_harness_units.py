@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import Outcome
 from legorl.harnesses import HARNESSES, parse_names
 from legorl.harnesses.base import (
     End,
@@ -23,7 +24,6 @@ from legorl.harnesses.base import (
     run_on_host,
 )
 from legorl.harnesses.install import RECIPES, find_python, installed, recipe
-from legorl.schemas import Outcome
 
 LEGORL = str(Path(sys.executable).parent / "legorl")
 
@@ -68,8 +68,8 @@ def test_classify(run: HarnessRun, proxy: ProxyView, alive: bool, patch: str | N
 
 
 def test_every_budget_stop_has_its_outcome() -> None:
+    from legorl.core.schemas import BUDGET_STOP_OUTCOMES, BudgetStop
     from legorl.proxy.budgets import Budgets
-    from legorl.schemas import BUDGET_STOP_OUTCOMES, BudgetStop
 
     assert set(BUDGET_STOP_OUTCOMES) == set(BudgetStop)
     # what the proxy records is one of them

@@ -27,13 +27,13 @@ from pathlib import Path
 import pytest
 from rollout_support import import_one, scripted, solving_script
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind, Outcome, TrialRow
 from legorl.engines.scripted import ScriptedEngine
 from legorl.harnesses import warm
 from legorl.harnesses.processes import RUN_MARKER, Launch, kill_host_processes, run_on_host
-from legorl.paths import RunDir
 from legorl.proxy.clients import InProcessProxy
-from legorl.schemas import Kind, Outcome, TrialRow
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 PY = sys.executable  # any interpreter serves; the mini-swe-agent test uses the harness's own

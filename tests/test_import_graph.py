@@ -1,4 +1,4 @@
-"""The project's own import graph has no circle, and its core imports nothing above it.
+"""The project's own import graph has no circle, and each folder imports only from the layers below it.
 
 Every import of a ``legorl`` module counts, at module level or inside a function (a lazy import
 hides a circle from Python, not from a reader), ``TYPE_CHECKING`` ones too: two modules that need
@@ -12,9 +12,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"legorl": ROOT / "legorl", "legorl.cli": ROOT / "cli", "legorl.stages": ROOT / "stages"}
-# The core: schemas, errors, paths and the shard files every stage meets in; it stands on nothing else.
-CORE = ("legorl.errors", "legorl.schemas", "legorl.arrow_schemas", "legorl.paths", "legorl.jsonfiles",
-        "legorl.digests", "legorl.metric_keys", "legorl.shards", "legorl.shard_")
+# The layers, lowest first: a module imports from its own folder and from the layers below its own.
+# The core (schemas, errors, paths, the shard files every stage meets in) stands on nothing else.
+LAYERS = (
+    ("legorl.core",),
+    ("legorl.models", "legorl.routing", "legorl.sandbox"),
+    ("legorl.engines",),
+    ("legorl.proxy",),
+    ("legorl.harnesses",),
+    ("legorl.trials",),
+    ("legorl.grading",),
+    ("legorl.tasks",),
+    ("legorl.monitor", "legorl.training", "legorl.demo"),
+    ("legorl.stages",),
+    ("legorl.flows",),
+    ("legorl.cli",),
+)
 
 
 def modules() -> dict[str, Path]:
@@ -101,16 +114,38 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
         " <-> ".join(c) + ": " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(edges[a] & set(c))) for c in found)
 
 
-def test_the_core_imports_nothing_above_it() -> None:
-    def core(name: str) -> bool:
-        return any(name == c or (c.endswith("_") and name.startswith(c)) for c in CORE)
+def folder(name: str) -> str:
+    """The layer entry a module belongs to (``legorl.proxy.wire`` -> ``legorl.proxy``)."""
+    return ".".join(name.split(".")[:2])
 
-    upward = {name: sorted(t for t in targets if not core(t)) for name, targets in graph().items() if core(name)}
-    assert not {k: v for k, v in upward.items() if v}, upward
+
+def layer(name: str) -> int:
+    for i, entries in enumerate(LAYERS):
+        if folder(name) in entries:
+            return i
+    raise AssertionError(f"{name}: in no layer of LAYERS (add its folder)")
+
+
+def upward(edges: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Each module's imports of a higher layer, or of another folder of its own layer."""
+    out = {}
+    for name, targets in edges.items():
+        up = sorted(t for t in targets
+                    if layer(t) > layer(name) or (layer(t) == layer(name) and folder(t) != folder(name)))
+        if up:
+            out[name] = up
+    return out
+
+
+def test_each_folder_imports_only_from_the_layers_below() -> None:
+    assert not upward(graph())
 
 
 def test_the_checks_see_a_circle_and_an_upward_import() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert upward({"legorl.core.paths": {"legorl.trials.costs"}, "legorl.proxy.app": {"legorl.core.errors"},
+                   "legorl.monitor.inspect": {"legorl.training.data"}}) == {
+        "legorl.core.paths": ["legorl.trials.costs"], "legorl.monitor.inspect": ["legorl.training.data"]}
     edges = graph()
     assert "legorl.proxy.wire" in edges["legorl.proxy.openai_api"]  # `from legorl.proxy.wire import ...`
     assert "legorl.grading.grader" in edges["legorl.cli.grade"]  # cli/ is legorl.cli

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from monitor_runs import make_run
 
-from legorl import costs, provenance, shards
+from legorl.core import shards
+from legorl.core.schemas import Kind
 from legorl.monitor import inspect
-from legorl.schemas import Kind
+from legorl.trials import costs, provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import run_size

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.schemas import Kind
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.schemas import Kind
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "examples" / "tasks" / "tasks.parquet"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 from legorl.models import (
     FORMAT_TOKENS,
     MODEL_RECIPE_VERSION,

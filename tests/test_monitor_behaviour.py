@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from monitor_runs import assistant, call, tool
 
+from legorl.core.schemas import Call, Outcome, Segment, SegmentReason, TrialRow
 from legorl.monitor.behaviour import Action, classify_call, trial_behaviour
 from legorl.monitor.behaviour_summary import aggregate, summarize
-from legorl.schemas import Call, Outcome, Segment, SegmentReason, TrialRow
 
 
 def trial(messages: list[dict[str, Any]], *, segments: list[Segment] | None = None, calls: list[Call] | None = None,

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from train_support import trained_run
 
-from legorl import metric_keys as mk
-from legorl import shards
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind
 from legorl.monitor.dashboard.data import overview
 from legorl.monitor.health import health_summary
 from legorl.monitor.loading import RunReader
-from legorl.paths import RunDir
-from legorl.schemas import Kind
 
 WARNED = {mk.LOGPROB_PEARSON: "correlate below 0.9", mk.MISMATCH_KL: "mismatch KL above",
           mk.IS_ESS: "effective sample size below"}

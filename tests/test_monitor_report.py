@@ -11,14 +11,14 @@ import pytest
 from monitor_runs import make_grade, make_run, make_trial, write_step
 from rich.console import Console
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.errors import LegorlError
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind, MetricRow
 from legorl.monitor import health, report
 from legorl.monitor.loading import RunReader, repo_from_instance_id
 from legorl.monitor.passk import pass_at_k
-from legorl.paths import RunDir
-from legorl.schemas import Kind, MetricRow
 
 
 @pytest.fixture(scope="module")

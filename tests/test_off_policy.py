@@ -19,11 +19,11 @@ import pytest
 import torch
 from train_support import TrialSpec, run_fixture
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.errors import ConfigError
-from legorl.paths import RunDir
-from legorl.schemas import Kind, trial_key
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.errors import ConfigError
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind, trial_key
 from legorl.stages.train import _build_trainer, prepare
 from legorl.training.batching import make_batches
 from legorl.training.config import TrainConfig

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import legorl.harnesses as harnesses
+from legorl.core.errors import ConfigError, LegorlError
 from legorl.engines import Engine, make_engine
 from legorl.engines.base import SamplingParams
-from legorl.errors import ConfigError, LegorlError
 from legorl.harnesses import (
     BaseHarness,
     ProtocolHarness,
@@ -226,9 +226,9 @@ def test_a_plugin_harness_runs_a_trial_through_the_rollout_stage(plugin: str, ti
     the patch the plug-in's command made is the trial's submission, and the row names the spec."""
     from rollout_support import fix_command, import_one, tool_call
 
-    from legorl import shards
+    from legorl.core import shards
+    from legorl.core.schemas import Kind, Outcome
     from legorl.proxy.clients import InProcessProxy
-    from legorl.schemas import Kind, Outcome
     from legorl.stages.rollout import RolloutConfig, rollout_stage
 
     run = tmp_path / f"run-{uuid.uuid4().hex[:12]}"

@@ -16,14 +16,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from legorl import provenance, shards
+from legorl.core import shards
+from legorl.core.errors import ConfigError, LegorlError
+from legorl.core.schemas import CALL_TYPE, Call, Kind, Segment, TrialRow
 from legorl.engines.base import SamplingParams
 from legorl.engines.embedded import EmbeddedEngine
 from legorl.engines.watched import WatchedEngine
-from legorl.errors import ConfigError, LegorlError
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.clients import InProcessProxy
-from legorl.schemas import CALL_TYPE, Call, Kind, Segment, TrialRow
+from legorl.trials import provenance
+from legorl.trials.external import session_row
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def test_a_trial_spanning_two_versions_versions_each_token_and_its_logprobs_matc
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "And again."}]
         client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=1.0, stream=False)
-        row = proxy.finish(sid).to_trial_row()
+        row = session_row(proxy.finish(sid))
         asyncio.run(proxy.engine.close())
 
     assert [c.policy_version for c in row.calls] == [0, 1]
@@ -204,9 +206,9 @@ def test_shards_from_before_versions_read_as_unknown(tmp_path: Path) -> None:
 
 
 def test_inspect_and_health_show_the_staleness_of_a_versioned_run(tmp_path: Path) -> None:
+    from legorl.core.schemas import MetricRow
     from legorl.monitor.health import health_renderable, health_summary
     from legorl.monitor.inspect import inspect_path
-    from legorl.schemas import MetricRow
 
     rows = [_row(1, [(0, 2, 3, 1)]), _row(1, [(0, 2, 3, 0)])]
     rows[1].sample_index, rows[1].trial_id = 1, "t/h/step1/sample1"
@@ -235,9 +237,9 @@ def test_inspect_and_health_show_the_staleness_of_a_versioned_run(tmp_path: Path
 def test_the_trainer_drops_or_masks_stale_trials_and_the_loop_writes_its_figures_once(tmp_path: Path) -> None:
     """Step 2's data under the bound: a trial one version behind is taken as it is, one two versions
     behind in one of its calls is left out (drop_trial) or trained on its fresh call only (mask)."""
+    from legorl.core.paths import RunDir
+    from legorl.core.schemas import GradeRow, GradeStatus
     from legorl.flows.online import _staleness_figures, _write_staleness
-    from legorl.paths import RunDir
-    from legorl.schemas import GradeRow, GradeStatus
     from legorl.training.data import load_step
 
     run = RunDir.at(tmp_path)

@@ -12,9 +12,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from legorl import shards
-from legorl.paths import RunDir
-from legorl.schemas import Kind
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind
 
 
 def test_serve_proxy_command(tiny_model: Path, tmp_path: Path) -> None:

@@ -19,11 +19,12 @@ import proxy_support
 import pytest
 from proxy_support import ANTHROPIC_TOOLS, TOOLS, an, call_bash, oa, say, scripted_engine
 
-from legorl import shards
-from legorl.paths import RunDir
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind, SegmentReason
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.server import ProxyServer
-from legorl.schemas import Kind, SegmentReason
+from legorl.trials.external import ShardSink
 
 # the proxy tests' fixtures, bound here so that pytest finds them
 tokenizer, proxy, real_proxy = proxy_support.tokenizer, proxy_support.proxy, proxy_support.real_proxy
@@ -327,7 +328,7 @@ def test_error_shapes_and_routes(proxy: ProxyServer) -> None:
 
 
 def test_api_key_and_session_api(tokenizer: Any, tmp_path: Path) -> None:
-    with ProxyServer(scripted_engine(tokenizer), tokenizer, api_key="sekret", run_dir=tmp_path) as proxy:
+    with ProxyServer(scripted_engine(tokenizer), tokenizer, api_key="sekret", on_finish=ShardSink(tmp_path)) as proxy:
         assert httpx.get(proxy.base_url + "/health").status_code == 200
         assert httpx.post(proxy.base_url + "/sessions").status_code == 401
         with pytest.raises(openai.AuthenticationError):

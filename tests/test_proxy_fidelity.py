@@ -16,10 +16,10 @@ import torch
 from proxy_support import TOOLS
 from transformers import AutoModelForCausalLM
 
+from legorl.core.schemas import Segment
 from legorl.engines.embedded import EmbeddedEngine, process_logits
 from legorl.proxy.server import ProxyServer
 from legorl.routing import capture_routing, count_flips, replay_routing
-from legorl.schemas import Segment
 
 
 def _serve(model_dir: Path) -> Iterator[tuple[ProxyServer, Any]]:

@@ -20,6 +20,7 @@ from proxy_support import ANTHROPIC_TOOLS, TOOLS, an, embedded_proxy, oa, script
 
 from legorl.proxy import anthropic_api, openai_api, wire
 from legorl.proxy.server import ProxyServer
+from legorl.trials.external import ShardSink
 
 # the proxy tests' fixtures, bound here so that pytest finds them
 tokenizer, proxy, real_proxy = proxy_support.tokenizer, proxy_support.proxy, proxy_support.real_proxy
@@ -170,8 +171,8 @@ def test_non_finite_or_out_of_range_temperature_is_a_400_naming_it(proxy: ProxyS
 
 
 def test_embedded_engine_refuses_temperatures_it_cannot_sample_at(real_proxy: ProxyServer) -> None:
+    from legorl.core.errors import ConfigError
     from legorl.engines.base import SamplingParams
-    from legorl.errors import ConfigError
 
     engine = real_proxy.core.engine
     for t in (1e-40, 5e-5, math.nan, math.inf, -1.0):
@@ -216,11 +217,11 @@ def test_non_finite_logprobs_from_an_engine_are_an_engine_failure_never_recorded
 
 
 def test_lone_surrogates_in_any_request_string_never_lose_a_session(tokenizer: Any, tmp_path: Path) -> None:
-    from legorl import shards
-    from legorl.paths import RunDir
-    from legorl.schemas import Kind
+    from legorl.core import shards
+    from legorl.core.paths import RunDir
+    from legorl.core.schemas import Kind
 
-    with ProxyServer(scripted_engine(tokenizer), tokenizer, run_dir=tmp_path) as server:
+    with ProxyServer(scripted_engine(tokenizer), tokenizer, on_finish=ShardSink(tmp_path)) as server:
         created = httpx.post(server.base_url + "/sessions",
                              content=b'{"metadata": {"task_id": "t\\ud800", "note\\udfff": "x\\udc00y"}}')
         assert created.status_code == 200, created.text

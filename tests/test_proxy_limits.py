@@ -29,7 +29,7 @@ import proxy_support
 import pytest
 from proxy_support import say, scripted_proxy
 
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 from legorl.proxy.limits import ProxyLimits
 from legorl.proxy.server import ProxyServer
 from legorl.proxy.session_socket import SessionSocket

@@ -23,6 +23,7 @@ from proxy_support import TOOLS, call_bash, oa, say, scripted_engine, tool_call_
 from test_proxy_fidelity import _check, _recompute
 from transformers import AutoModelForCausalLM
 
+from legorl.core.schemas import SegmentReason
 from legorl.engines.base import SamplingParams, TokenChunk
 from legorl.engines.embedded import EmbeddedEngine
 from legorl.engines.scripted import ScriptedEngine
@@ -30,7 +31,6 @@ from legorl.proxy.asgi import session_route
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.clients import RemoteProxy
 from legorl.proxy.server import ProxyServer
-from legorl.schemas import SegmentReason
 
 # the proxy tests' fixtures, bound here so that pytest finds them
 tokenizer, proxy = proxy_support.tokenizer, proxy_support.proxy

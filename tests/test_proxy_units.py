@@ -11,15 +11,15 @@ import pytest
 from proxy_support import TOOLS, tool_call_text
 from transformers import AutoTokenizer
 
+from legorl.core.errors import ConfigError
+from legorl.core.schemas import SegmentReason
 from legorl.engines.base import Generation
-from legorl.errors import ConfigError
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.history import same_assistant_turn
 from legorl.proxy.render import ChatRenderer
 from legorl.proxy.sessions import Session
 from legorl.proxy.textstream import TextAssembler
 from legorl.proxy.toolparse import HermesParser, detect_parser, get_parser
-from legorl.schemas import SegmentReason
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,17 @@ import pytest
 from rollout_support import import_one, scripted, tool_call
 from test_sharded_stages import edit_command
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import Kind, Outcome, TaskRow
 from legorl.engines.base import Generation, SamplingParams, TokenChunk
 from legorl.engines.scripted import ScriptedEngine
-from legorl.errors import LegorlError
-from legorl.executors import RAY_MISSING, ExecutorOptions, RayExecutor, Shard
 from legorl.grading.grader import GradeOptions
 from legorl.proxy.server import ProxyServer
-from legorl.schemas import Kind, Outcome, TaskRow
 from legorl.stages.grade import Grading, Job
 from legorl.stages.rollout import RemoteTrials, RolloutConfig
-from legorl.trials import TrialJob
+from legorl.trials.executors import RAY_MISSING, ExecutorOptions, RayExecutor, Shard
+from legorl.trials.lifecycle import TrialJob
 
 LEGORL = str(Path(sys.executable).parent / "legorl")
 SAMPLES = 3  # two held on the nodes (one lost and retried), one more

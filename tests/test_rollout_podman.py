@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from rollout_support import import_one, scripted, solving_script, tool_call
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import Kind, Outcome, TrialRow
 from legorl.engines.scripted import ScriptedEngine
 from legorl.grading.grader import GradeOptions
 from legorl.proxy.clients import InProcessProxy
-from legorl.schemas import Kind, Outcome, TrialRow
 from legorl.stages.grade import grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 

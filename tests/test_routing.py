@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from legorl.core.errors import LegorlError
 from legorl.engines.base import SamplingParams
 from legorl.engines.embedded import EmbeddedEngine, process_logits
-from legorl.errors import LegorlError
 from legorl.routing import capture_routing, count_flips, moe_routers, replay_routing, routing_shape
 
 

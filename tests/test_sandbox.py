@@ -12,7 +12,7 @@ from platform import machine as platform_machine
 
 import pytest
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.sandbox import (
     PodmanBackend,
     PodmanSandbox,

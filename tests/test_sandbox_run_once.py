@@ -12,10 +12,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from legorl.core.schemas import GradeStatus, TaskRow
 from legorl.sandbox.base import SandboxSpec
 from legorl.sandbox.host import run_podman
 from legorl.sandbox.podman import PodmanBackend, live_sandboxes
-from legorl.schemas import GradeStatus, TaskRow
 
 pytestmark = pytest.mark.podman
 

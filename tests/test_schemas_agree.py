@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pytest
 
-from legorl.schemas import ENUM_COLUMNS, KEY_COLUMNS, ROW_CLASSES, SCHEMAS, Kind, Segment, _Row
+from legorl.core.schemas import ENUM_COLUMNS, KEY_COLUMNS, ROW_CLASSES, SCHEMAS, Kind, Segment, _Row
 
 
 def _disagreements(row_cls: type, fields: list[pa.Field], where: str) -> list[str]:

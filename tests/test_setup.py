@@ -82,7 +82,7 @@ def test_missing_podman_says_what_to_run(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no podman, runc or debootstrap
     step = host.ensure_tools(install=False)
     assert step.status == "manual" and "apt-get install -y podman runc" in step.detail
-    from legorl.errors import LegorlError
+    from legorl.core.errors import LegorlError
     from legorl.sandbox import PodmanBackend, SandboxSpec
 
     with pytest.raises(LegorlError, match=r"podman is not installed.*legorl setup"):

@@ -13,9 +13,9 @@ import pyarrow.compute as pc
 import pytest
 from test_shards import make_trial
 
-from legorl import shards
-from legorl.errors import ShardError
-from legorl.schemas import Kind, MetricRow
+from legorl.core import shards
+from legorl.core.errors import ShardError
+from legorl.core.schemas import Kind, MetricRow
 
 
 def test_rows_per_file_and_close_commit(tmp_path: Path) -> None:
@@ -68,8 +68,8 @@ def test_a_timed_flush_that_fails_is_raised_by_the_next_call(tmp_path: Path, mon
 
 _KILLED_BATCH_WRITER = r"""
 import sys
-from legorl import shards
-from legorl.schemas import Kind, Segment, TrialRow
+from legorl.core import shards
+from legorl.core.schemas import Kind, Segment, TrialRow
 out = sys.argv[1]
 with shards.ShardWriter(out, Kind.ROLLOUTS, rows_per_file=8, max_seconds=float("inf")) as writer:
     i = 0

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from test_shards import make_trial
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import Kind, MetricRow
+from legorl.core.shards.compaction import merged_name
 from legorl.monitor import summaries
-from legorl.schemas import Kind, MetricRow
-from legorl.shard_compaction import merged_name
 
 
 def _outcomes(folder: Path) -> dict[str, str]:
@@ -103,9 +103,10 @@ def test_merged_parts_are_sorted_and_read_by_row_group(tmp_path: Path) -> None:
 _KILLED_COMPACTION = r"""
 import os, signal, sys
 import pyarrow.parquet as pq
-from legorl import shard_compaction, shards
+from legorl.core.shards import compaction as shard_compaction
+from legorl.core import shards
 from legorl.monitor import summaries
-from legorl.schemas import Kind
+from legorl.core.schemas import Kind
 folder, target, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 events = 0
 def counted(fn):

@@ -13,12 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 from monitor_runs import make_run
 
-from legorl import costs, provenance, shards
+from legorl.core import shards
+from legorl.core.schemas import Kind
 from legorl.monitor import summaries
 from legorl.monitor.behaviour import trial_behaviour
 from legorl.monitor.dashboard.data import overview
 from legorl.monitor.loading import RunReader
-from legorl.schemas import Kind
+from legorl.trials import costs, provenance
 
 
 def _overview(run: Path) -> str:

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from rollout_support import import_one, scripted, tool_call
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.errors import ConfigError
+from legorl.core.schemas import Kind, Outcome, TaskRow
 from legorl.engines.scripted import ScriptedEngine
-from legorl.errors import ConfigError
-from legorl.executors import Shard
 from legorl.proxy.server import ProxyServer
-from legorl.schemas import Kind, Outcome, TaskRow
 from legorl.stages.rollout import RolloutConfig, plan
+from legorl.trials.executors import Shard
 
 LEGORL = str(Path(sys.executable).parent / "legorl")
 
@@ -49,7 +49,7 @@ def test_shard_parse_and_partition() -> None:
     assert len(sizes) == 4 and min(sizes.values()) >= 25  # and spread over all of them
     assert Shard(0, 1).owns("anything")
     # a stable hash: another process (another hash seed, another host) splits the keys the same way
-    code = ("import json, sys; from legorl.executors import Shard; keys = json.load(sys.stdin); "
+    code = ("import json, sys; from legorl.trials.executors import Shard; keys = json.load(sys.stdin); "
             "print(json.dumps([next(s for s in range(4) if Shard(s, 4).owns(k)) for k in keys]))")
     other = subprocess.run([sys.executable, "-c", code], input=json.dumps(keys), capture_output=True, text=True,
                            env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"}, timeout=120, check=True)

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from legorl import shards
-from legorl.errors import ShardError
-from legorl.schemas import (
+from legorl.core import shards
+from legorl.core.errors import ShardError
+from legorl.core.schemas import (
     SCHEMAS,
     Call,
     GradeRow,
@@ -107,8 +107,8 @@ def test_already_done_skips_done_keys_but_not_infra_failures(tmp_path: Path) -> 
 
 _KILLED_WRITER = r"""
 import sys
-from legorl import shards
-from legorl.schemas import Kind, Segment, TrialRow
+from legorl.core import shards
+from legorl.core.schemas import Kind, Segment, TrialRow
 out = sys.argv[1]
 i = 0
 while True:
@@ -267,10 +267,10 @@ def test_any_tool_can_open_a_dataset(tmp_path: Path) -> None:
 
 def test_rows_written_before_fingerprints_and_costs_still_read(tmp_path: Path) -> None:
     """Shards without the fingerprint and cost columns (older legorl) read with them null, and a
-    trial's cost is then derived from its calls (legorl.costs)."""
-    from legorl.costs import cost_of, trial_cost
-    from legorl.fingerprints import trial_fingerprint
+    trial's cost is then derived from its calls (legorl.trials.costs)."""
     from legorl.grading.fingerprint import grade_fingerprint
+    from legorl.trials.costs import cost_of, trial_cost
+    from legorl.trials.fingerprints import trial_fingerprint
 
     new = make_trial(fingerprint=trial_fingerprint("mini-swe-agent"), cost=trial_cost(make_trial().calls, 2, 9.5))
     grade = sample_rows()[Kind.GRADES][0]

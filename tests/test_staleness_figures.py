@@ -15,12 +15,13 @@ import pytest
 import torch
 from train_support import stale_run
 
-from legorl import metric_keys as mk
-from legorl import provenance, shards
-from legorl.paths import RunDir
-from legorl.schemas import Kind
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind
 from legorl.training.batching import pad
 from legorl.training.importance import importance_weights, value_versions, weight_stats, weight_stats_by_lag
+from legorl.trials import provenance
 
 CAP = 2.0
 # Two rows at step 3, the first position of row 0 and the last of row 1 not sampled. Untruncated ratios

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from grading_support import SHIPPED
 
-from legorl import shards
-from legorl.schemas import Kind
+from legorl.core import shards
+from legorl.core.schemas import Kind
 
 pytestmark = pytest.mark.podman
 

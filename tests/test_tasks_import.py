@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from legorl import shards
-from legorl.errors import LegorlError
-from legorl.schemas import Kind
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import Kind
 from legorl.tasks.importer import import_tasks, read_source
 
 TEST_PATCH = "diff --git a/tests/test_x.py b/tests/test_x.py\n--- a/tests/test_x.py\n+++ b/tests/test_x.py\n@@ -1 +1,2 @@\n a\n+b\n"

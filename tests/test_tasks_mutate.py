@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.tasks.drafting import problem_statement
 from legorl.tasks.hiding import remove_tests
 from legorl.tasks.library import describe

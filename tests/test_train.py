@@ -11,11 +11,11 @@ import pytest
 import torch
 from train_support import TrialSpec, make_run, run_fixture
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.errors import LegorlError
-from legorl.paths import Checkpoints, RunDir
-from legorl.schemas import Kind
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import Checkpoints, RunDir
+from legorl.core.schemas import Kind
 from legorl.stages.train import _build_trainer, prepare, run_train
 from legorl.training.batching import make_batches
 from legorl.training.config import TrainConfig
@@ -150,7 +150,7 @@ def test_splitting_a_trial_into_segments_changes_nothing(
 
 
 def spec_key(spec: TrialSpec) -> str:
-    from legorl.schemas import trial_key
+    from legorl.core.schemas import trial_key
 
     return trial_key(spec.task, spec.harness, 0, spec.sample)
 
@@ -293,9 +293,9 @@ def test_cli_train_json_and_one_line_errors(exact_run: RunDir, tiny_model: Path,
 def test_a_steps_metrics_are_published_from_its_checkpoint_once(tmp_path: Path) -> None:
     """The metrics rows are committed inside the checkpoint and added to RUN/train/metrics once,
     whether the stage was killed before or after the commit (a rerun publishes what is missing)."""
-    from legorl import shards
-    from legorl.paths import Checkpoints
-    from legorl.schemas import Kind, MetricRow
+    from legorl.core import shards
+    from legorl.core.paths import Checkpoints
+    from legorl.core.schemas import Kind, MetricRow
     from legorl.stages.train import publish_metrics
 
     checkpoint, metrics = tmp_path / "step-3", tmp_path / "metrics"

@@ -11,7 +11,7 @@ import typer
 from trl import GRPOConfig
 
 from legorl.cli.options import ConfigOptions
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 from legorl.training.config import FIXED_TRL_SETTINGS, TrainConfig
 from legorl.training.options import TRAIN_CLI_FIELDS, TrainOptions
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 from train_support import TrialSpec, run_fixture
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.paths import RunDir
-from legorl.schemas import Kind
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind
 from legorl.training.batching import micro_batch_plan
 from legorl.training.data import load_step
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from train_support import TrialSpec, make_run
 
-from legorl import shards
-from legorl.errors import LegorlError
-from legorl.paths import RunDir
-from legorl.schemas import Kind
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind
 from legorl.stages.train import run_train
 from legorl.training.config import TrainConfig
 from legorl.training.data import load_step

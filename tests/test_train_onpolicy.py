@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from train_support import TrialSpec, run_fixture
 
-from legorl import metric_keys as mk
-from legorl.paths import RunDir
+from legorl.core import metric_keys as mk
+from legorl.core.paths import RunDir
 from legorl.stages.train import _build_trainer, prepare
 from legorl.training.batching import make_batches
 from legorl.training.config import TrainConfig

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from train_support import TrialSpec, make_run
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.paths import RunDir
-from legorl.schemas import Kind
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind
 from legorl.stages.train import run_train
 from legorl.training.config import TrainConfig
 

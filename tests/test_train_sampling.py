@@ -23,12 +23,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.errors import LegorlError
-from legorl.paths import INFO_FILE, RunDir
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import INFO_FILE, RunDir
+from legorl.core.schemas import CALL_TYPE, GradeRow, Kind, TrialRow
 from legorl.proxy.budgets import Budgets
-from legorl.schemas import CALL_TYPE, GradeRow, Kind, TrialRow
 from legorl.stages.train import run_train
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData, Trial

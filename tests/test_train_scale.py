@@ -11,7 +11,7 @@ import pytest
 import torch
 from train_support import TrialSpec, run_fixture
 
-from legorl.paths import RunDir
+from legorl.core.paths import RunDir
 from legorl.stages.train import _build_trainer, prepare
 from legorl.training.attention import packed_attention
 from legorl.training.batching import make_batches, token_micro_batches

@@ -12,11 +12,11 @@ import pytest
 import torch
 from train_support import TrialSpec, make_run
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.errors import ConfigError
-from legorl.paths import INFO_FILE, Checkpoints, RunDir
-from legorl.schemas import Kind
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.errors import ConfigError
+from legorl.core.paths import INFO_FILE, Checkpoints, RunDir
+from legorl.core.schemas import Kind
 from legorl.stages import train as train_stage
 from legorl.training.config import TrainConfig
 from legorl.training.data import load_step

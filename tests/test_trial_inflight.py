@@ -16,12 +16,12 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from legorl.core.schemas import Outcome
 from legorl.demo.taskgen import write_task_set
 from legorl.engines.base import Generation, SamplingParams, TokenChunk
 from legorl.harnesses.base import End, HarnessRun, ProxyView, classify
 from legorl.proxy.clients import InProcessProxy
 from legorl.proxy.server import ProxyServer
-from legorl.schemas import Outcome
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 from legorl.stages.tasks import import_stage
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from rollout_support import import_one
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import Kind, Outcome, TrialRow
 from legorl.engines.scripted import ScriptedEngine
 from legorl.harnesses import HARNESSES
 from legorl.harnesses.base import (
@@ -42,7 +43,6 @@ from legorl.harnesses.trialfiles import UnsafeFile, read_trial_file
 from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
 from legorl.proxy.server import ProxyServer
 from legorl.sandbox.base import Sandbox
-from legorl.schemas import Kind, Outcome, TrialRow
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman]
@@ -264,7 +264,7 @@ def test_every_harness_sandbox_has_no_network(name: str, tmp_path: Path) -> None
     from legorl.harnesses.channel import ProxyChannel
     from legorl.harnesses.install import installed
     from legorl.sandbox.podman import PodmanBackend
-    from legorl.trials import TrialJob, TrialRunner
+    from legorl.trials.lifecycle import TrialJob, TrialRunner
 
     harness = get(name)
     if harness.in_container and installed(name) is None:

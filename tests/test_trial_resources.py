@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from rollout_support import fix_command, import_one, scripted, tool_call
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import Kind, Outcome, TrialRow
 from legorl.engines.scripted import ScriptedEngine
 from legorl.harnesses.host_limits import HOST_MEMORY_BYTES
 from legorl.proxy.clients import InProcessProxy
 from legorl.sandbox.base import SandboxSpec
 from legorl.sandbox.podman import PodmanBackend, PodmanSandbox
-from legorl.schemas import Kind, Outcome, TrialRow
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman]

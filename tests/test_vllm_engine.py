@@ -27,10 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from legorl.core.errors import ConfigError, LegorlError
 from legorl.engines import Engine, PromptTooLong, make_engine
 from legorl.engines.base import SamplingParams
 from legorl.engines.vllm import VLLMEngine, decode_routed_experts
-from legorl.errors import ConfigError, LegorlError
 
 LAYERS, TOPK, MAX_LEN = 3, 2, 64
 

@@ -28,14 +28,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import Segment
 from legorl.engines import vllm_server, vllm_weights
 from legorl.engines.embedded import process_logits
 from legorl.engines.vllm import VLLMEngine
-from legorl.errors import LegorlError
 from legorl.flows.policy import PolicySpec, open_policy
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.server import ProxyServer
-from legorl.schemas import Segment
 
 pytestmark = pytest.mark.slow
 CONTEXT = 512

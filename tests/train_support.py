@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from legorl import shards
-from legorl.paths import RunDir
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Call, GradeRow, Kind, Outcome, Segment, TrialRow
 from legorl.routing import capture_routing, routing_shape
-from legorl.schemas import Call, GradeRow, Kind, Outcome, Segment, TrialRow
 
 TOOL_TEXT = "\n<tool_response>\nOK: 3 passed\n</tool_response>\n"
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from rollout_support import import_one
 
-from legorl import shards
+from legorl.core import shards
+from legorl.core.schemas import Kind, TrialRow
 from legorl.engines.scripted import ScriptedEngine
 from legorl.harnesses import HARNESSES
 from legorl.harnesses.base import CONTAINER_TRIAL_DIR, Launch, TrialPaths, TrialSpec
@@ -24,7 +25,6 @@ from legorl.harnesses.channel import CONTAINER_DIR, PORT, SOCKET_NAME
 from legorl.harnesses.claude_code import ClaudeCode
 from legorl.proxy.clients import InProcessProxy
 from legorl.sandbox.base import Sandbox
-from legorl.schemas import Kind, TrialRow
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 PROBE = Path(__file__).with_name("isolation_probe.py")

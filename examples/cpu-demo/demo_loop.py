@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.paths import Checkpoints, RunDir
-from legorl.schemas import Kind
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.paths import Checkpoints, RunDir
+from legorl.core.schemas import Kind
 
 # The trainer's figures each step's record keeps.
 REPORTED_METRICS = (mk.LOSS, mk.ZERO_VARIANCE_SHARE, mk.ENTROPY, mk.GRAD_NORM, mk.LOGPROB_PEARSON, mk.MISMATCH_KL,
@@ -80,8 +80,8 @@ class DemoConfig:
 
     def agent_format(self) -> Any:
         """The conversation the harness holds, for the warm-up (:class:`legorl.demo.sft.AgentFormat`)."""
+        from legorl.core.errors import ConfigError
         from legorl.demo.sft import SIMPLE, mini_swe_agent_format
-        from legorl.errors import ConfigError
 
         if self.harness == "simple":
             return SIMPLE
@@ -183,8 +183,8 @@ def prepare_model(cfg: DemoConfig) -> Path:
 def held_out(cfg: DemoConfig, tasks: Path, model: Path, tokenizer: Path, step: int) -> HeldOut:
     """``legorl eval`` on the held-out tasks: one greedy attempt per task, at policy ``step``."""
     from legorl.cli.progress import Outcomes, StageBar, graded
-    from legorl.evaluation import EvalSettings
     from legorl.flows.evaluate import evaluate
+    from legorl.flows.evaluation import EvalSettings
     from legorl.flows.policy import PolicySpec
     from legorl.grading.grader import GradeOptions
 

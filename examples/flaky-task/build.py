@@ -36,9 +36,9 @@ should come back as `high`. Fix `clamp` without breaking any other test.
 def build(out: Path, check_runs: int) -> None:
     import pyarrow.parquet as pq
 
+    from legorl.core.schemas import Kind, TaskRow
+    from legorl.core.shards import to_table
     from legorl.grading.grader import GradeOptions, Grader
-    from legorl.schemas import Kind, TaskRow
-    from legorl.shards import to_table
     from legorl.tasks.builder import validate
     from legorl.tasks.drafting import FIXED_DATE, _commit, _tree_of, git
     from legorl.tasks.hiding import remove_tests

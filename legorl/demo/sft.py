@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from legorl.core.errors import ConfigError
 from legorl.demo.taskgen import DemoTask
-from legorl.errors import ConfigError
 from legorl.harnesses.simple import BASH_TOOL, SYSTEM_PROMPT, tool_result
 from legorl.models import supervised_steps
 

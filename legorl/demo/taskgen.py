@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 
 KINDS = ("flip", "compare")
 # The (kind, wanted operator) cells a task set cycles through.

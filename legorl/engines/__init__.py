@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from legorl.core.errors import ConfigError
+from legorl.core.plugins import is_dotted_path, load_object, missing_members
 from legorl.engines.base import Engine, Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
-from legorl.errors import ConfigError
-from legorl.plugins import is_dotted_path, load_object, missing_members
 
 ENGINE_KINDS = ("embedded", "vllm", "scripted")
 _ENGINE_ATTRIBUTES = ("name", "max_context")

@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 
 
 class RequestRejected(ConfigError):

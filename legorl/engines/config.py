@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from legorl.core.errors import ConfigError
 from legorl.engines.base import Engine
-from legorl.errors import ConfigError
 
 UPSTREAM_HELP = ("URL of a running vLLM server (with --engine vllm; started with the flags in docs/vllm.md), or "
                  "several comma-separated: each proxy session sticks to one, a dead one is taken out (docs/vllm.md).")

@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from legorl.core.errors import ConfigError, LegorlError
 from legorl.engines.base import Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
 from legorl.engines.batching import Request, RunningBatch, deliver
 from legorl.engines.sampling import process_logits, sample_rows, validate_params
-from legorl.errors import ConfigError, LegorlError
 from legorl.routing import capture_routing, routing_shape
 
 __all__ = ["EmbeddedEngine", "EngineStats", "measure_throughput", "process_logits"]

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from legorl.core.errors import ConfigError, LegorlError
 from legorl.engines.base import (
     Engine,
     Generation,
@@ -39,7 +40,6 @@ from legorl.engines.base import (
     TokenChunk,
     current_session,
 )
-from legorl.errors import ConfigError, LegorlError
 
 log = logging.getLogger(__name__)
 

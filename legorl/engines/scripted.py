@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from legorl.core.errors import ConfigError, LegorlError
 from legorl.engines.base import Generation, SamplingParams, TokenChunk
-from legorl.errors import ConfigError, LegorlError
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,9 @@ from typing import Any
 import httpx
 import numpy as np
 
+from legorl.core.errors import ConfigError, LegorlError
 from legorl.engines import vllm_weights
 from legorl.engines.base import Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
-from legorl.errors import ConfigError, LegorlError
 
 # Statuses by which vLLM refuses a request for its content (validation: a prompt or parameter it
 # will not take); any other status (5xx, 404 for a wrong model name, 401) is the engine's failure.

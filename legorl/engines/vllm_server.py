@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from legorl.core.errors import LegorlError
+from legorl.core.paths import cache_dir, file_lock
 from legorl.engines.vllm_weights import DEFAULT_TOLERANCE, write_server_view
-from legorl.errors import LegorlError
-from legorl.paths import cache_dir, file_lock
 
 if TYPE_CHECKING:
     from legorl.engines.base import Engine

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 
 HEAD = "lm_head.weight"  # the LM head's name in the Hugging Face checkpoints of the Qwen/Llama families
 HEAD_FILE = "legorl-lm-head.safetensors"

@@ -1,5 +1,5 @@
 """An eval: the rollout and grade stages with eval settings in ``RUN/eval``, then the pass@k report
-and the SWE-bench predictions (:mod:`legorl.evaluation` holds the settings and the report).
+and the SWE-bench predictions (:mod:`legorl.flows.evaluation` holds the settings and the report).
 
 Resumable, like the stages: a rerun skips trials and grades already done (loading no engine when
 nothing is left to roll out), and the same shards give a byte-identical report.
@@ -11,14 +11,15 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from legorl import evaluation, shards
-from legorl.errors import LegorlError
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import RunDir
+from legorl.core.schemas import GradeRow, Kind, TrialRow
+from legorl.flows import evaluation
 from legorl.flows.policy import Loading, PolicySpec, open_policy
-from legorl.paths import RunDir
-from legorl.schemas import GradeRow, Kind, TrialRow
 from legorl.stages.grade import GradeSummary, grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, RolloutSummary, plan, rollout_stage
-from legorl.trials import TrialOptions
+from legorl.trials.lifecycle import TrialOptions
 
 RowT = TypeVar("RowT", contravariant=True)
 

@@ -2,7 +2,7 @@
 
 Exactly what a Makefile loop over ``legorl rollout / grade / train`` does, but with one engine kept
 in memory that loads each new checkpoint instead of restarting. Every step's shards stay in the
-run directory with their ``step``; after each step the loop compacts them (:func:`legorl.shards.compact`).
+run directory with their ``step``; after each step the loop compacts them (:func:`legorl.core.shards.compact`).
 
 ``max_staleness`` K = 0 (the default) is synchronous: the trials of step S are sampled by the
 policy trained on steps < S, and training step S uses only them, so the rollout policy is never
@@ -11,7 +11,7 @@ same stages and shards; step T's grading overlaps step T + 1's rollout) while st
 the engine loads each checkpoint as soon as it exists, between calls, so a trial in flight may span
 two versions. Step T's rollout starts once
 the engine serves version T - K, so every call of it is at most K versions behind the step that
-trains it; the trainer is held to that bound anyway (:mod:`legorl.provenance`; ``stale_tokens``
+trains it; the trainer is held to that bound anyway (:mod:`legorl.trials.provenance`; ``stale_tokens``
 says what a stale trial gets) and the loop writes each step's staleness figures to
 ``RUN/train/metrics`` (stage ``loop``).
 
@@ -34,16 +34,17 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
 
-from legorl import provenance, shards
-from legorl.errors import LegorlError
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import Checkpoints, RunDir
+from legorl.core.schemas import Kind, MetricRow
 from legorl.flows.policy import Policy, PolicySpec, open_policy
 from legorl.grading.grader import GradeOptions
 from legorl.monitor import summaries
-from legorl.paths import Checkpoints, RunDir
-from legorl.provenance import Staleness, StaleTokens
-from legorl.schemas import Kind, MetricRow
 from legorl.stages.grade import grade_stage, rollout_jobs
 from legorl.stages.rollout import RolloutConfig, rollout_stage
+from legorl.trials import provenance
+from legorl.trials.provenance import Staleness, StaleTokens
 
 if TYPE_CHECKING:
     from legorl.stages.train import TrainResult

@@ -11,10 +11,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from legorl.core.errors import LegorlError
 from legorl.engines.base import Engine
 from legorl.engines.config import UPSTREAM_HELP, check_upstream
 from legorl.engines.watched import WatchedEngine
-from legorl.errors import LegorlError
 from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
 from legorl.proxy.limits import ProxyLimits
 

@@ -13,10 +13,10 @@ import secrets
 import threading
 from collections.abc import Callable
 
+from legorl.core.paths import cache_dir
+from legorl.core.schemas import TaskRow
 from legorl.grading.container import GradingContainers, GradingInfraError, Run
 from legorl.grading.logparse import TestStatuses, get_parser
-from legorl.paths import cache_dir
-from legorl.schemas import TaskRow
 
 FAILING = frozenset({"FAILED", "ERROR"})  # what a canary must be in every run that mutates it
 TRIES = 2  # mutations drawn per test when a task's canaries are found (each try: a gold and an empty run)

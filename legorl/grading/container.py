@@ -18,7 +18,8 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import TaskRow
 from legorl.grading.logparse import TestStatuses
 from legorl.grading.options import GradeOptions
 from legorl.grading.patches import split_patch, touched_paths
@@ -33,7 +34,6 @@ from legorl.grading.script import (
     read_events,
 )
 from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
-from legorl.schemas import TaskRow
 
 GRADER_VERSION = "4"  # bump when the verdict for the same inputs may change (it keys cached gold runs)
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from legorl.core.schemas import HARBOR, TaskRow
 from legorl.grading.container import GradingInfraError
 from legorl.grading.grader import Grader
-from legorl.schemas import HARBOR, TaskRow
 
 CHECKED, NEGATIONS_ONLY, TRIPWIRES_ONLY, TEST_SH, ERROR = (
     "canaries", "negations only", "tripwires only", "test.sh only", "error")

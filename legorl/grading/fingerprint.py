@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from legorl import __version__ as LEGORL_VERSION
-from legorl.digests import digest, file_digest
-from legorl.errors import LegorlError
+from legorl.core.digests import digest, file_digest
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import GradeFingerprint, TaskRow
 from legorl.grading.container import GRADER_VERSION
-from legorl.schemas import GradeFingerprint, TaskRow
 
 
 @functools.cache

@@ -42,7 +42,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from legorl.errors import ConfigError, LegorlError
+from legorl.core.errors import ConfigError, LegorlError
+from legorl.core.paths import cache_dir
+from legorl.core.schemas import HARBOR, GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 from legorl.grading.canaries import Canaries
 from legorl.grading.container import GRADER_VERSION as GRADER_VERSION
 from legorl.grading.container import GradingContainers, GradingInfraError
@@ -54,9 +56,7 @@ from legorl.grading.options import GRADE_FIELDS as GRADE_FIELDS
 from legorl.grading.options import GradeOptions
 from legorl.grading.report import F2P, P2P, infra, zero
 from legorl.grading.verifier import Verifier, VerifierFailed, report_of
-from legorl.paths import cache_dir
 from legorl.sandbox.base import MAX_PATCH_BYTES, Sandbox, SandboxSpec
-from legorl.schemas import HARBOR, GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 
 MAX_LOG_CHARS = 200_000
 CONTROL_TTL_S = 600.0  # a control run that graded normally vouches for its task this long

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 
+from legorl.core.schemas import GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 from legorl.grading.container import INFRA_SLACK_S, GradingContainers, GradingInfraError, Run
 from legorl.grading.options import GradeOptions
 from legorl.grading.patches import touched_paths
@@ -53,7 +54,6 @@ from legorl.grading.script import (
     read_events,
 )
 from legorl.sandbox.base import SandboxSpec
-from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 
 REWARD_FILES = ("reward.txt", "reward.json")  # Harbor's precedence: reward.txt first
 MAX_REWARD_BYTES = 65_536

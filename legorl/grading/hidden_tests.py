@@ -7,12 +7,12 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 
+from legorl.core.schemas import GradeRow, GradeStatus, TaskRow
 from legorl.grading.canaries import FAILING, Canaries, halves, value_canaries
 from legorl.grading.container import GradingContainers, GradingInfraError, Run
 from legorl.grading.logparse import TestStatuses, contradicts_exit_code, get_parser
 from legorl.grading.options import GradeOptions
 from legorl.grading.report import evaluate, zero
-from legorl.schemas import GradeRow, GradeStatus, TaskRow
 
 # A pass's second run does the same work as its first: the host gives it this much of that run's time.
 CANARY_TIME_FACTOR, CANARY_TIME_SLACK_S = 2.0, 60.0

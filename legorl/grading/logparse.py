@@ -124,7 +124,7 @@ PARSERS: dict[str, Callable[[str], TestStatuses]] = {"pytest": parse_pytest}
 
 
 def get_parser(name: str | None) -> Callable[[str], TestStatuses]:
-    from legorl.errors import LegorlError
+    from legorl.core.errors import LegorlError
 
     key = name or "pytest"
     if key not in PARSERS:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 from legorl.grading.verifier import check_spec
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from legorl.core.schemas import GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 from legorl.grading.logparse import TestStatuses
-from legorl.schemas import GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 
 F2P = "FAIL_TO_PASS"
 P2P = "PASS_TO_PASS"

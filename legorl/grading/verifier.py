@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from legorl.errors import ConfigError, LegorlError
-from legorl.plugins import load_object
+from legorl.core.errors import ConfigError, LegorlError
+from legorl.core.plugins import load_object
 from legorl.sandbox.base import ExecResult, SandboxSpec
 
 MOUNT_ROOT = "/opt/legorl-verifier"

@@ -12,7 +12,8 @@ import inspect
 from pathlib import Path
 from typing import Any, ClassVar
 
-from legorl.errors import ConfigError, LegorlError
+from legorl.core.errors import ConfigError, LegorlError
+from legorl.core.plugins import is_dotted_path, load_object, missing_members
 from legorl.harnesses.aider import Aider
 from legorl.harnesses.base import BaseHarness, End, Harness, HarnessRun, ProcessHarness, TrialSpec
 from legorl.harnesses.claude_code import ClaudeCode
@@ -25,7 +26,6 @@ from legorl.harnesses.pi import Pi
 from legorl.harnesses.qwen_code import QwenCode
 from legorl.harnesses.simple import SimpleHarness
 from legorl.harnesses.terminus import Terminus2
-from legorl.plugins import is_dotted_path, load_object, missing_members
 from legorl.sandbox.base import Sandbox
 
 # The real harnesses (``all``), then legorl's own minimal driver for tiny demo models.

@@ -6,7 +6,7 @@ is a separate program derives from :class:`ProcessHarness`, and its adapter know
 about it: which install it needs, how to launch it for one trial (command line, environment,
 config files), and how to read how it ended. Everything else is here: the per-trial folder (HOME,
 config, logs), where the process runs (on the host, or inside the trial container), its
-environment, and turning all that plus the proxy's view into an :class:`~legorl.schemas.Outcome`;
+environment, and turning all that plus the proxy's view into an :class:`~legorl.core.schemas.Outcome`;
 running the process (the wall-clock limit, the kill of its whole process group, log capture) is
 :mod:`legorl.harnesses.processes`.
 
@@ -32,6 +32,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from legorl.core.schemas import Outcome, budget_outcome
 from legorl.harnesses.install import Installation, require
 from legorl.harnesses.processes import (
     CONTAINER_TRIAL_DIR,
@@ -45,7 +46,6 @@ from legorl.harnesses.processes import KILL_GRACE_S as KILL_GRACE_S
 from legorl.harnesses.processes import tail as tail
 from legorl.harnesses.trialfiles import read_trial_text
 from legorl.sandbox.base import Sandbox
-from legorl.schemas import Outcome, budget_outcome
 
 # What a host-run harness inherits from legorl's environment; everything else is set explicitly,
 # so a user's API keys or proxy settings never leak into (or redirect) a harness.
@@ -271,7 +271,7 @@ class ProxyView:
     """What the proxy saw of a trial (from its capture), for classifying the outcome."""
 
     calls: int = 0
-    budget_stop: str | None = None  # a legorl.schemas.BudgetStop
+    budget_stop: str | None = None  # a legorl.core.schemas.BudgetStop
     engine_error: str | None = None  # the engine failed while serving this session
     # the call the policy was still generating when the trial ended (legorl.proxy.sessions.InFlight.snapshot)
     in_flight: dict[str, Any] | None = None

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.sandbox.base import Sandbox
 
 RELAY = Path(__file__).with_name("_relay.py")

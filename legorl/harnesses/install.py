@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from legorl.errors import LegorlError
-from legorl.paths import cache_dir, file_lock
+from legorl.core.errors import LegorlError
+from legorl.core.paths import cache_dir, file_lock
 
 MARKER = "legorl-install.json"
 # Releases of litellm that were compromised upstream; never let a resolver pick them.

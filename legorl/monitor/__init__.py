@@ -1,4 +1,4 @@
 """Monitoring: behaviour analytics, pass@k reports, run health and the live dashboard.
 
-Everything here reads only shards (``legorl.shards``); nothing talks to a running stage.
+Everything here reads only shards (``legorl.core.shards``); nothing talks to a running stage.
 """

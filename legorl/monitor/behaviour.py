@@ -1,6 +1,6 @@
 """Behaviour analytics: what the agent actually does, measured from trial rows.
 
-Every figure is computed from one :class:`~legorl.schemas.TrialRow` (its conversation, calls and
+Every figure is computed from one :class:`~legorl.core.schemas.TrialRow` (its conversation, calls and
 segments) by :func:`trial_behaviour`, then averaged per policy step and harness by
 :func:`aggregate` (:mod:`legorl.monitor.behaviour_summary`). Infrastructure failures are left out
 of every average (and counted), since they say nothing about the policy.
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from legorl.schemas import BUDGET_STOP_OUTCOMES, SegmentReason, TrialRow
+from legorl.core.schemas import BUDGET_STOP_OUTCOMES, SegmentReason, TrialRow
 
 
 class Action(StrEnum):

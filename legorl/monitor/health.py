@@ -18,10 +18,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from legorl import fingerprints, provenance
-from legorl import metric_keys as mk
+from legorl.core import metric_keys as mk
 from legorl.monitor import behaviour_summary, stats
 from legorl.monitor.loading import RunReader, Snapshot
+from legorl.trials import fingerprints, provenance
 
 # The trainer's figures the summary shows, by their metric keys.
 FIDELITY_KEYS = tuple(mk.FIDELITY_PANEL)
@@ -90,7 +90,7 @@ def health_summary(run: str | os.PathLike[str] | Snapshot) -> dict[str, Any]:
 
 
 def _staleness(metrics: dict[str, Any]) -> dict[str, Any] | None:
-    """The overlapped loop's latest staleness figures (legorl.provenance): step, share of trials per lag,
+    """The overlapped loop's latest staleness figures (legorl.trials.provenance): step, share of trials per lag,
     trials stale and dropped; None when the loop wrote none (a synchronous run)."""
     lags = {key.removeprefix(provenance.TRIALS_AT_LAG): s for key, by in metrics.items()
             if key.startswith(provenance.TRIALS_AT_LAG) and (s := by.get(stats.ALL))}

@@ -12,10 +12,10 @@ only tasks that have any); rollouts ``{"outcomes",
 "harnesses", "steps", "infra_failures", "sampled_tokens", "segments", "fork_costs"}`` (``fork_costs``: over the
 trials, ``{"segment_tokens_per_sampled", "shared_share", "heaviest": [{"trial_id", "segments",
 "segment_tokens_per_sampled", "shared_share"}]}``, the three trials of most segment tokens per sampled token
-among those with several segments: ``legorl.costs.fork_cost``), plus ``"staleness": {"lag L": share
-of trials}`` when calls record their policy version (``legorl.provenance.lag_shares``); grades ``{"statuses",
+among those with several segments: ``legorl.trials.costs.fork_cost``), plus ``"staleness": {"lag L": share
+of trials}`` when calls record their policy version (``legorl.trials.provenance.lag_shares``); grades ``{"statuses",
 "resolved", "reward_mean", "infra_failures", "suspicious"}``; rollouts and grades add ``"fingerprint_mixes":
-[line]`` when their rows' fingerprints disagree (``legorl.fingerprints.mixes``: two harness versions or configs,
+[line]`` when their rows' fingerprints disagree (``legorl.trials.fingerprints.mixes``: two harness versions or configs,
 two images or grader versions for one task...); metrics ``{"steps", "keys", "last": {key: value}}``.
 """
 
@@ -30,11 +30,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from legorl import fingerprints, shards
-from legorl.costs import ForkCost, fork_cost
-from legorl.errors import ShardError
-from legorl.paths import RUN_DATASETS, RunDir
-from legorl.schemas import Kind
+from legorl.core import shards
+from legorl.core.errors import ShardError
+from legorl.core.paths import RUN_DATASETS, RunDir
+from legorl.core.schemas import Kind
+from legorl.trials import fingerprints
+from legorl.trials.costs import ForkCost, fork_cost
 
 
 def detect_kind(folder: Path) -> Kind | None:
@@ -152,7 +153,7 @@ def _flaky(t: Any) -> dict[str, Any]:
 
 def _staleness(t: Any) -> dict[str, Any]:
     """``{"staleness": {"lag L": share of trials}}`` when calls record their policy version, else {}:
-    :func:`legorl.provenance.lag_shares` (a trial lags by its oldest versioned call that sampled tokens),
+    :func:`legorl.trials.provenance.lag_shares` (a trial lags by its oldest versioned call that sampled tokens),
     computed column-wise."""
     calls = t.column("calls").combine_chunks()
     flat = pc.list_flatten(calls)
@@ -172,7 +173,7 @@ def _staleness(t: Any) -> dict[str, Any]:
 
 
 def _mixes(**rows: Any) -> dict[str, Any]:
-    """``{"fingerprint_mixes": [line]}`` where the rows' fingerprints disagree (legorl.fingerprints), else {}."""
+    """``{"fingerprint_mixes": [line]}`` where the rows' fingerprints disagree (legorl.trials.fingerprints), else {}."""
     found = fingerprints.mixes(**rows)
     return {"fingerprint_mixes": found} if found else {}
 

@@ -6,7 +6,7 @@ file's name, size and mtime; a refresh after new shards land only reads the new 
 part's summary is also stored beside it (:mod:`legorl.monitor.summaries`), so a fresh reader of a
 large run reads the summaries, not the conversations.
 :meth:`RunReader.fingerprint` lists the part files (no reads), which makes "did anything change?"
-cheap enough to poll. Duplicate keys resolve as :func:`legorl.shards.read` does: the later file
+cheap enough to poll. Duplicate keys resolve as :func:`legorl.core.shards.read` does: the later file
 wins. The snapshot remembers which file holds each trial's rollout and grade, so one trial's full
 rows are read from those files alone, the rows of one step only (pushed down to the row groups).
 """
@@ -28,13 +28,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from legorl import shards
-from legorl.errors import LegorlError
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import RunDir
+from legorl.core.schemas import GradeRow, Kind, MetricRow, TrialCost, TrialRow, trial_is_infra
+from legorl.core.shards import Vanished
 from legorl.monitor import summaries
 from legorl.monitor.behaviour import Action, Event, TrialBehaviour
-from legorl.paths import RunDir
-from legorl.schemas import GradeRow, Kind, MetricRow, TrialCost, TrialRow, trial_is_infra
-from legorl.shards import Vanished
 
 # Columns of grades we summarise (the test log can be large and is read only for one trial).
 _GRADE_COLUMNS = [
@@ -58,9 +58,9 @@ class TrialInfo:
     error: str | None
     patch: str | None
     behaviour: TrialBehaviour
-    token_lags: dict[int, int]  # sampled tokens per lag behind the trial's step (legorl.provenance.token_lags)
+    token_lags: dict[int, int]  # sampled tokens per lag behind the trial's step (legorl.trials.provenance.token_lags)
     file: Path
-    cost: TrialCost = field(default_factory=TrialCost)  # legorl.costs.cost_of
+    cost: TrialCost = field(default_factory=TrialCost)  # legorl.trials.costs.cost_of
 
     @property
     def key(self) -> str:
@@ -107,7 +107,7 @@ class Snapshot:
         return self.repos.get(task_id) or repo_from_instance_id(task_id)
 
     def is_infra(self, trial: TrialInfo) -> bool:
-        """:func:`legorl.schemas.trial_is_infra` of the trial and its grade."""
+        """:func:`legorl.core.schemas.trial_is_infra` of the trial and its grade."""
         return trial_is_infra(trial.infra_failure, self.grades.get(trial.trial_id))
 
 

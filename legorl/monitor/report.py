@@ -20,10 +20,10 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from legorl import costs
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.monitor import behaviour, behaviour_summary, passk, stats
 from legorl.monitor.loading import RunReader, Snapshot
+from legorl.trials import costs
 
 REPORT_VERSION = 1
 
@@ -161,7 +161,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines.append("|" + "---|" * (len(names) + 1))
     for metric in ["trials", *behaviour_summary.METRICS]:
         lines.append(f"| {metric} | " + " | ".join(_num(report["behaviour"][n].get(metric)) for n in names) + " |")
-    lines += costs.to_markdown(report.get("cost") or [])  # legorl eval's (legorl.evaluation)
+    lines += costs.to_markdown(report.get("cost") or [])  # legorl eval's (legorl.flows.evaluation)
     return "\n".join(lines) + "\n"
 
 

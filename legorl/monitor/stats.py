@@ -11,9 +11,9 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from legorl.core.schemas import GradeStatus, grade_is_infra
 from legorl.monitor.loading import GradeInfo, Snapshot, TrialInfo
 from legorl.monitor.passk import Problem
-from legorl.schemas import GradeStatus, grade_is_infra
 
 ALL = "all"
 
@@ -133,7 +133,7 @@ def groups_by_step(snap: Snapshot) -> dict[str, list[Any]]:
 
 def token_lags_by_step(snap: Snapshot) -> dict[str, Any]:
     """Per step: its sampled tokens of known policy version and the share of them that lag each number
-    of versions behind the step (:func:`legorl.provenance.token_lags`), over the trials training takes
+    of versions behind the step (:func:`legorl.trials.provenance.token_lags`), over the trials training takes
     (not rollout infrastructure failures), as the loop's ``staleness/tokens_lag/`` figures. Steps
     without a versioned token are left out; lags are sorted."""
     counts: dict[int, Counter[int]] = defaultdict(Counter)

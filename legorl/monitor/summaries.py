@@ -1,5 +1,5 @@
 """What the dashboard's overview keeps of each rollout part, stored beside it
-(:mod:`legorl.shard_summaries`): each trial's identity, outcome, behaviour figures, token lags,
+(:mod:`legorl.core.shards.summaries`): each trial's identity, outcome, behaviour figures, token lags,
 patch and cost, without its tokens or its conversation.
 
 Summarising a trial (classifying every tool call of its conversation) costs milliseconds, so a cold
@@ -21,12 +21,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from legorl import provenance, shard_summaries
-from legorl.costs import cost_of
+from legorl.core.schemas import Kind, TrialRow
+from legorl.core.shards import summaries as shard_summaries
+from legorl.core.shards.compaction import sort_columns
+from legorl.core.shards.reading import dedupe, read_file
 from legorl.monitor.behaviour import trial_behaviour
-from legorl.schemas import Kind, TrialRow
-from legorl.shard_compaction import sort_columns
-from legorl.shard_reading import dedupe, read_file
+from legorl.trials import provenance
+from legorl.trials.costs import cost_of
 
 # Bump when the summary's columns or what they mean change: older summaries are then recomputed.
 VERSION = 1
@@ -56,7 +57,7 @@ SCHEMA = pa.schema([
     pa.field("self_verifying", pa.bool_()),
     pa.field("events", pa.string()),  # JSON: [[turn, tool, [action], [path]]]
     pa.field("token_lags", pa.string()),  # JSON: [[lag, sampled tokens]]
-    # the trial's cost (legorl.costs.cost_of), as "cost_<field>"
+    # the trial's cost (legorl.trials.costs.cost_of), as "cost_<field>"
     pa.field("cost_sandbox_s", pa.float64()),
     pa.field("cost_engine_s", pa.float64()),
     *(pa.field(f"cost_{name}", pa.int64()) for name in ("prompt_tokens", "sampled_tokens", "cached_tokens", "retries")),
@@ -64,7 +65,7 @@ SCHEMA = pa.schema([
 
 
 def load(part: Path, key: tuple[int, str] | None = None) -> pa.Table | None:
-    """The stored summary of ``part`` when it is valid (:func:`legorl.shard_summaries.load`), else None."""
+    """The stored summary of ``part`` when it is valid (:func:`legorl.core.shards.summaries.load`), else None."""
     return shard_summaries.load(part, VERSION, SCHEMA, key)
 
 
@@ -132,7 +133,7 @@ def _token_counts(table: pa.Table) -> list[list[tuple[str, int, int]]]:
 
 
 def merge(kind: Kind, final: Path, tmp: Path, run: list[Path], tables: list[pa.Table]) -> None:
-    """Compaction's hook (:data:`legorl.shard_compaction.OnMerge`): for a rollout dataset, store the
+    """Compaction's hook (:data:`legorl.core.shards.compaction.OnMerge`): for a rollout dataset, store the
     summary of the merged part (written to ``tmp``, to be renamed to ``final``) from the replaced
     parts' summaries, each key's last; those missing built from the rows read for the merge. Rows it
     cannot summarise (a torn conversation) are left to the reader."""

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.proxy.asgi import (
     SSE_HEADERS,
     Disconnected,

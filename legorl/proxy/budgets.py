@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from legorl.errors import ConfigError
-from legorl.schemas import BudgetStop
+from legorl.core.errors import ConfigError
+from legorl.core.schemas import BudgetStop
 
 # The reasons (``Call.budget_stop`` / ``SessionCapture.budget_stop``), typed as the plain strings
 # those fields hold, for code that compares or keys by them.

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from legorl.core.errors import LegorlError
 from legorl.engines.base import Engine
 from legorl.engines.watched import WatchedEngine
-from legorl.errors import LegorlError
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.limits import ProxyLimits
 from legorl.proxy.sessions import SessionCapture

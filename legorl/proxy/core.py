@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import Call
 from legorl.engines import PromptTooLong, RequestRejected
 from legorl.engines.base import MIN_TEMPERATURE, Engine, Generation, SamplingParams, current_session
 from legorl.engines.watched import WatchedEngine
-from legorl.errors import LegorlError
 from legorl.proxy import budgets as B
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.history import Message
@@ -32,7 +33,6 @@ from legorl.proxy.sessions import InFlight, Plan, Session, SessionCapture, new_s
 from legorl.proxy.textstream import TextAssembler
 from legorl.proxy.toolparse import ParsedOutput, ToolCall, ToolParser, detect_parser
 from legorl.proxy.validate import BadRequest
-from legorl.schemas import Call
 
 
 class Api(StrEnum):

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 from legorl.proxy.validate import BadRequest
 
 MiB = 1 << 20

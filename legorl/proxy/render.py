@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 
 _PROBE = "\x00LEGORL-PROBE\x00"
 

@@ -18,11 +18,12 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from legorl.core.errors import LegorlError
 from legorl.engines.base import Engine
-from legorl.errors import LegorlError
 from legorl.proxy.app import ProxyApp
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.core import ProxyCore, SamplingOverride
@@ -44,26 +45,6 @@ def load_tokenizer(path: str | Path) -> Any:
         raise LegorlError(f"{path}: cannot load a tokenizer: {exc}") from None
 
 
-class ShardSink:
-    """Writes finished sessions as ``rollouts`` rows (harness ``external``) into a run directory."""
-
-    def __init__(self, run_dir: str | Path):
-        from legorl.paths import RunDir
-
-        self.path = RunDir.at(run_dir).proxy_sessions
-
-    def __call__(self, capture: SessionCapture) -> None:
-        from legorl import shards
-        from legorl.schemas import Kind
-
-        if not capture.calls:
-            return
-        try:
-            shards.write(self.path, Kind.ROLLOUTS, [capture.to_trial_row()])
-        except Exception:  # never lose the server over a shard; say so loudly
-            log.exception("could not write session %s to %s", capture.session_id, self.path)
-
-
 class ProxyServer:
     def __init__(
         self,
@@ -74,7 +55,7 @@ class ProxyServer:
         port: int = 0,
         api_key: str | None = None,
         budgets: Budgets | None = None,
-        run_dir: str | Path | None = None,
+        on_finish: Callable[[SessionCapture], None] | None = None,
         parser: str | ToolParser | None = None,
         auto_create: bool = True,
         sampling: SamplingOverride | None = None,
@@ -85,8 +66,7 @@ class ProxyServer:
             tokenizer = load_tokenizer(tokenizer)
         self.renderer = ChatRenderer(tokenizer)
         tool_parser = get_parser(parser) if isinstance(parser, str) else parser
-        self.sink = ShardSink(run_dir) if run_dir is not None else None
-        self.core = ProxyCore(engine, self.renderer, tool_parser, budgets, on_finish=self.sink, sampling=sampling)
+        self.core = ProxyCore(engine, self.renderer, tool_parser, budgets, on_finish=on_finish, sampling=sampling)
         self.limits = limits or ProxyLimits()
         self.app = ProxyApp(self.core, api_key=api_key, auto_create=auto_create, single_session=single_session,
                             limits=self.limits)

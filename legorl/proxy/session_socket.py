@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.proxy.asgi import (
     Disconnected,
     Receive,

@@ -43,13 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from legorl.costs import trial_cost
+from legorl.core.schemas import Call, Outcome, Segment, SegmentReason, budget_outcome
 from legorl.engines.base import Generation
-from legorl.fingerprints import trial_fingerprint
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.history import Message, same_assistant_turn, same_prompt, tool_names, tools_key
 from legorl.proxy.render import ChatRenderer
-from legorl.schemas import Call, Outcome, Segment, SegmentReason, TrialRow, budget_outcome
 
 
 def new_session_id() -> str:
@@ -170,27 +168,6 @@ class SessionCapture:
     def outcome(self) -> str:
         """The trial outcome the proxy can tell on its own (a harness adapter knows better)."""
         return budget_outcome(self.budget_stop) if self.budget_stop else Outcome.NO_SUBMISSION
-
-    def to_trial_row(self, **kwargs: Any) -> TrialRow:
-        """A rollouts row; ``kwargs`` override the metadata (task_id, harness, step, sample_index...)."""
-        meta = {**self.metadata, **kwargs}
-        task_id = str(meta.pop("task_id", None) or f"proxy/{self.session_id}")
-        harness = str(meta.pop("harness", None) or "external")
-        step = int(meta.pop("step", 0) or 0)
-        sample_index = int(meta.pop("sample_index", 0) or 0)
-        meta.setdefault("outcome", self.outcome())
-        meta.setdefault("model", self.model)
-        meta.setdefault("started_at", self.created_at)
-        meta.setdefault("finished_at", time.time())
-        meta.setdefault("fingerprint", trial_fingerprint(harness))  # an external harness: its config is unknown
-        meta.setdefault("cost", trial_cost(self.calls, int(meta.get("attempts") or 1), None))
-        known = set(TrialRow.__dataclass_fields__)
-        extra = {k: v for k, v in meta.items() if k in known}
-        return TrialRow.new(
-            task_id, harness, step, sample_index,
-            segments=self.segments, calls=self.calls,
-            messages=json.dumps(self.messages, ensure_ascii=False), **extra,
-        )
 
 
 class Session:

@@ -113,7 +113,7 @@ def get_parser(name: str) -> ToolParser:
     try:
         return _REGISTRY[name]()
     except KeyError:
-        from legorl.errors import ConfigError
+        from legorl.core.errors import ConfigError
 
         raise ConfigError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
 

@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from legorl.jsonfiles import LONE_SURROGATE
+from legorl.core.jsonfiles import LONE_SURROGATE
 
 # Integers the engines take as 64-bit (seeds, top_k): anything wider is the client's error, never
 # an engine failure (which would mark the session's trial as infrastructure).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 
 
 class SandboxError(LegorlError):

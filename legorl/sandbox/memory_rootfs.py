@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.sandbox.errors import SandboxError
 from legorl.sandbox.host import run_podman
 

@@ -16,7 +16,7 @@ import json
 import os
 import stat
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.sandbox.host import run_podman
 
 # podman's init (--init) is a host file every container maps

@@ -13,7 +13,7 @@ import resource
 import uuid
 from pathlib import Path
 
-from legorl.paths import cache_dir
+from legorl.core.paths import cache_dir
 from legorl.sandbox.base import SandboxSpec
 from legorl.sandbox.errors import SandboxError
 from legorl.sandbox.host import hard_limit, nproc_limit

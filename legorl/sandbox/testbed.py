@@ -25,8 +25,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from legorl.errors import LegorlError
-from legorl.paths import cache_dir
+from legorl.core.errors import LegorlError
+from legorl.core.paths import cache_dir
 from legorl.sandbox.base import Sandbox
 
 COMMIT_MESSAGE = "legorl testbed"

@@ -34,10 +34,10 @@ from collections.abc import Callable, Container
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from legorl.errors import ConfigError, LegorlError
+from legorl.core.errors import ConfigError, LegorlError
+from legorl.core.schemas import TaskRow
 from legorl.grading.grader import GradeOptions, Grader
 from legorl.sandbox.base import Sandbox, SandboxSpec
-from legorl.schemas import TaskRow
 from legorl.tasks.build_options import CHECK_RUNS, BuildOptions
 from legorl.tasks.drafting import git, make_task
 from legorl.tasks.library import BuildError, fetch_sdist
@@ -156,8 +156,8 @@ def build(specs: list[str], out_dir: Path, opts: BuildOptions, work: Path | None
     """Build tasks from several libraries; writes ``out_dir/tasks.parquet`` and the bundles."""
     import pyarrow.parquet as pq
 
-    from legorl.schemas import Kind
-    from legorl.shards import to_table
+    from legorl.core.schemas import Kind
+    from legorl.core.shards import to_table
 
     out_dir.mkdir(parents=True, exist_ok=True)
     owned_tmp = work is None

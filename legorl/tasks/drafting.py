@@ -12,8 +12,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from legorl.core.schemas import TaskRow
 from legorl.grading.container import hidden_test_files
-from legorl.schemas import TaskRow
 from legorl.tasks.hiding import remove_tests
 from legorl.tasks.library import BuildError, Library
 from legorl.tasks.mining import Mined

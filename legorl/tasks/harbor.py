@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from legorl import shards
-from legorl.errors import LegorlError
-from legorl.schemas import HARBOR, Kind, TaskRow
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import HARBOR, Kind, TaskRow
 from legorl.tasks.importer import ImportResult
 
 TEST_SCRIPT = "tests/test.sh"  # the one "test" of a Harbor task, as grade rows name it

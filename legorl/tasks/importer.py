@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from legorl import shards
-from legorl.errors import LegorlError
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.jsonfiles import LONE_SURROGATE, json_lines, loads, read_utf8
+from legorl.core.schemas import Kind, TaskRow
 from legorl.grading.logparse import PARSERS
 from legorl.grading.patches import split_patch
-from legorl.jsonfiles import LONE_SURROGATE, json_lines, loads, read_utf8
-from legorl.schemas import Kind, TaskRow
 
 STRING_FIELDS = (
     "repo", "base_commit", "patch", "test_patch", "problem_statement", "hints_text", "created_at",

@@ -10,7 +10,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 
 PYTEST_FLAGS = "-o addopts= --no-header -rA --tb=no -p no:cacheprovider"
 

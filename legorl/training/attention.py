@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.training.packing import Document
 
 NAME = "legorl_packed"

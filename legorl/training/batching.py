@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
-from legorl.provenance import UNKNOWN_VERSION
 from legorl.training.data import StepData, TrainSequence
+from legorl.trials.provenance import UNKNOWN_VERSION
 
 
 def make_batches(data: StepData, groups_per_batch: int | None, seed: int) -> list[list[int]]:

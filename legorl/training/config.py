@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig
 
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 from legorl.training.options import TrainOptions
 
 # TRL / Trainer settings the segment trainer needs; __post_init__ sets them whatever was passed.

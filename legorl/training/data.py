@@ -2,7 +2,7 @@
 
 One *trial* (a row of ``rollouts/``) becomes one or more *sequences*, one per segment, each with
 its own loss mask, rollout logprobs, routing and the policy version of each sampled token (when its
-calls record one: :mod:`legorl.provenance`). What is left out, and why:
+calls record one: :mod:`legorl.trials.provenance`). What is left out, and why:
 
 - trials marked ``infra_failure`` by the rollout stage, and trials whose grading failed for
   infrastructure reasons (``infra_failure`` / status ``infra_error`` / no reward): they leave their
@@ -29,11 +29,12 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from legorl import provenance, shards
-from legorl.errors import LegorlError
-from legorl.paths import RunDir
-from legorl.schemas import Kind, SegmentReason, grade_is_infra
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind, SegmentReason, grade_is_infra
 from legorl.training.sampling import CallSampling
+from legorl.trials import provenance
 
 _ROLLOUT_COLUMNS = ["task_id", "harness", "step", "group_id", "infra_failure", "segments", "calls"]
 
@@ -53,7 +54,7 @@ class TrainSequence:
     routed_experts: np.ndarray | None  # int16 [T, moe_layers, top_k]
     reward: float
     versions: np.ndarray | None = None  # int64 [T], the policy version that sampled each token (-1: unknown
-    # or not sampled; legorl.provenance); None when no call of the trial records one
+    # or not sampled; legorl.trials.provenance); None when no call of the trial records one
     advantage: float = 0.0
     scale: float = 1.0  # per-token weight factor of this segment (see weighting.py)
 

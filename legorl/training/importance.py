@@ -32,7 +32,7 @@ losses are reused unchanged.
 
 The figures of the weights (:class:`WeightStats`) are those of the whole batch and, under an overlapped
 loop, of each staleness level: the tokens sampled ``lag`` policy versions behind the trained step
-(:mod:`legorl.provenance`), a segment-level weight counted at its segment's oldest token. Tokens of
+(:mod:`legorl.trials.provenance`), a segment-level weight counted at its segment's oldest token. Tokens of
 unknown version (shards from before versions) are in the whole-batch figures only.
 """
 
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from legorl import metric_keys as mk
-from legorl.provenance import UNKNOWN_VERSION
+from legorl.core import metric_keys as mk
+from legorl.trials.provenance import UNKNOWN_VERSION
 
 SEGMENT_LEVELS: tuple[str, ...] = ("sequence", "geometric")  # one weight per segment
 

@@ -24,7 +24,7 @@ import torch
 from trl.kernels import ChunkedLogProbFunction
 from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.training.attention import NAME as ATTENTION
 from legorl.training.packing import Packed
 

@@ -2,7 +2,7 @@
 
 Fidelity of the trainer to the rollout policy, over sampled tokens, with ``lp_r`` the logprobs the
 engine recorded and ``lp_t`` the trainer's recompute (before the update), under the keys of
-:mod:`legorl.metric_keys`:
+:mod:`legorl.core.metric_keys`:
 
 - ``fidelity/logprob_pearson``: Pearson correlation of ``lp_r`` and ``lp_t`` (1.0 = identical up to
   an affine map; fp32 engine vs fp32 trainer gives ~1.000000, bf16 ~0.99999);
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from legorl import metric_keys as mk
-from legorl import shards
-from legorl.schemas import Kind, MetricRow
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.schemas import Kind, MetricRow
 
 
 def fidelity(trainer_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

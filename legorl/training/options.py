@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from legorl.errors import ConfigError
-from legorl.schemas import SegmentReason
+from legorl.core.errors import ConfigError
+from legorl.core.schemas import SegmentReason
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo"]
 ISLevel = Literal["token", "sequence", "geometric", "none"]

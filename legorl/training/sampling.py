@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from legorl.core.errors import LegorlError
 from legorl.engines.base import MIN_TEMPERATURE
-from legorl.errors import LegorlError
 
 log = logging.getLogger("legorl.train")
 

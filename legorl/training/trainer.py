@@ -41,8 +41,8 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import identity
 
-from legorl import metric_keys as mk
-from legorl.errors import LegorlError
+from legorl.core import metric_keys as mk
+from legorl.core.errors import LegorlError
 from legorl.routing import capture_routing, replay_routing, routing_shape
 from legorl.training.attention import packed_attention
 from legorl.training.batching import BatchTotals, GroupBatchSampler, micro_batch_plan, pad, pad_rows, take

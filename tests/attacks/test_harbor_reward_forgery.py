@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from legorl import shards
-from legorl.schemas import GradeRow, Kind, TaskRow
+from legorl.core import shards
+from legorl.core.schemas import GradeRow, Kind, TaskRow
 
 ROOT = Path(__file__).resolve().parents[2]
 HARBOR_TASKS = ROOT / "examples" / "harbor-tasks"

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import proxy_support  # noqa: E402
 from proxy_support import TOOLS, call_bash, oa, say  # noqa: E402
 
-from legorl.schemas import SegmentReason  # noqa: E402
+from legorl.core.schemas import SegmentReason  # noqa: E402
 
 tokenizer, proxy = proxy_support.tokenizer, proxy_support.proxy
 BASH = {"type": "function", "name": "bash", "description": "Run a shell command.",

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from grading_support import Tree, describe, shipped_tasks
 
+from legorl.core.schemas import GradeRow
 from legorl.grading.grader import GradeOptions, Grader
-from legorl.schemas import GradeRow
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
 

@@ -146,16 +146,16 @@ def containers(*labels: str) -> list[str]:
 def import_tasks(run: Path, limit: int) -> list[str]:
     """The first ``limit`` shipped tasks into ``run/tasks``; their instance ids."""
     legorl("tasks", "import", str(SHIPPED_TASKS), "--run", str(run), "--limit", str(limit))
-    from legorl import shards
-    from legorl.schemas import Kind
+    from legorl.core import shards
+    from legorl.core.schemas import Kind
 
     return sorted(t.instance_id for t in shards.read_rows(run / "tasks", Kind.TASKS))
 
 
 def assert_own_task(run: Path) -> None:
     """Each trial's captured conversation carries its own task's problem statement, no other's."""
-    from legorl import shards
-    from legorl.schemas import Kind
+    from legorl.core import shards
+    from legorl.core.schemas import Kind
 
     statements = {t.instance_id: t.problem_statement or "" for t in shards.read_rows(run / "tasks", Kind.TASKS)}
     assert len(set(statements.values())) == len(statements), "tasks must differ for this check to mean anything"

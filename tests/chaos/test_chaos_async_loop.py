@@ -35,9 +35,10 @@ from chaos_support import (
     start,
 )
 
-from legorl import metric_keys as mk
-from legorl import provenance, shards
-from legorl.schemas import Kind, trial_key
+from legorl.core import metric_keys as mk
+from legorl.core import shards
+from legorl.core.schemas import Kind, trial_key
+from legorl.trials import provenance
 
 KILLS = 2  # kills per seed before the run that must finish
 STEPS, SAMPLES, TASKS = 2, 2, 2

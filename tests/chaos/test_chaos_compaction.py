@@ -15,9 +15,9 @@ from pathlib import Path
 
 from chaos_support import Figures, assert_clean, inspect, kill_at, legorl, rng, start
 
-from legorl import shards
-from legorl.paths import RunDir
-from legorl.schemas import GradeRow, GradeStatus, Kind, Segment, TrialRow
+from legorl.core import shards
+from legorl.core.paths import RunDir
+from legorl.core.schemas import GradeRow, GradeStatus, Kind, Segment, TrialRow
 
 KILLS = 3
 ROWS = 240

@@ -35,9 +35,9 @@ from chaos_support import (
     stderr_of,
 )
 
-from legorl import shards
-from legorl.schemas import Kind, Outcome, TrialRow, trial_key
-from legorl.trials import HARNESS_GRACE_S
+from legorl.core import shards
+from legorl.core.schemas import Kind, Outcome, TrialRow, trial_key
+from legorl.trials.lifecycle import HARNESS_GRACE_S
 
 FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
 

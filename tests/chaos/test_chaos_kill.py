@@ -39,8 +39,8 @@ from chaos_support import (
     stderr_of,
 )
 
-from legorl import shards
-from legorl.schemas import Kind, trial_key
+from legorl.core import shards
+from legorl.core.schemas import Kind, trial_key
 
 KILLS = 2  # kills per seed before the run that must finish
 

@@ -18,10 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from legorl import shards
 from legorl.cli.app import app
-from legorl.errors import LegorlError, ShardError
-from legorl.schemas import Call, GradeRow, Kind, Segment, TaskRow, TrialRow
+from legorl.core import shards
+from legorl.core.errors import LegorlError, ShardError
+from legorl.core.schemas import Call, GradeRow, Kind, Segment, TaskRow, TrialRow
 from legorl.stages.grade import prediction_jobs
 from legorl.tasks.importer import import_tasks
 

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from legorl import shards
-from legorl.errors import ConfigError, LegorlError, ShardError
+from legorl.core import shards
+from legorl.core.errors import ConfigError, LegorlError, ShardError
+from legorl.core.schemas import Kind, TaskRow
 from legorl.proxy.budgets import Budgets
-from legorl.schemas import Kind, TaskRow
 from legorl.stages.grade import prediction_jobs
 from legorl.tasks.importer import import_tasks
 

@@ -11,13 +11,13 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from legorl import costs
-from legorl import metric_keys as mk
+from legorl.core import metric_keys as mk
+from legorl.core.schemas import Call, GradeRow, Segment, TrialRow
 from legorl.monitor import behaviour, behaviour_summary, stats
 from legorl.monitor.behaviour import classify_call
 from legorl.monitor.health import FIDELITY_KEYS, health_summary
 from legorl.monitor.loading import RunReader, Snapshot
-from legorl.schemas import Call, GradeRow, Segment, TrialRow
+from legorl.trials import costs
 
 MAX_POINTS = 4000  # logprob points per segment sent to the browser (longer segments are binned)
 MAX_LOG_CHARS = 20000
@@ -99,7 +99,7 @@ def overview(snap: Snapshot) -> dict[str, Any]:
         "grid": stats.task_step_grid(snap),
         "trials": _trial_rows(snap),
         "eval": snap.eval_report,
-        "cost": costs.cost_table(snap.trials.values()),  # per step and harness (legorl.costs), from the parts' summaries
+        "cost": costs.cost_table(snap.trials.values()),  # per step and harness (legorl.trials.costs), from the parts' summaries
     }
 
 

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.monitor.dashboard.server import STATIC, RunSet, index_html, plotly_js
 
 

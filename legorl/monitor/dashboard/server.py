@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 from legorl.monitor.dashboard.data import overview, trial_detail, trial_details
 from legorl.monitor.loading import RunReader
 

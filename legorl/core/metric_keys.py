@@ -30,7 +30,7 @@ IS_ESS: Final = "is/ess"
 IS_MASKED_FRAC: Final = "is/masked_frac"
 IS_MASKED_TOKEN_FRAC: Final = "is/masked_token_frac"
 # The same per staleness level, each prefix followed by the lag ("is/ess/lag1"): over the sampled
-# tokens that lag that many policy versions behind the trained step (legorl.provenance; at sequence
+# tokens that lag that many policy versions behind the trained step (legorl.trials.provenance; at sequence
 # level, the segments whose oldest token does). Tokens of unknown version are in the figures above only.
 IS_WEIGHT_MEAN_AT_LAG: Final = "is/weight_mean/lag"
 IS_TRUNCATED_FRAC_AT_LAG: Final = "is/truncated_frac/lag"

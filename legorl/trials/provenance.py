@@ -13,7 +13,7 @@ completion_tokens]`` (the proxy's capture invariant, :mod:`legorl.proxy.sessions
 have no version. Calls without a version (old shards, an engine this process does not load, a
 budget stop) are unknown and never judged stale.
 
-Everything here is a pure function of a trial row (a :class:`~legorl.schemas.TrialRow` or its
+Everything here is a pure function of a trial row (a :class:`~legorl.core.schemas.TrialRow` or its
 dict, as shards read it), so the trainer, the loop and the monitor agree on one definition.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from legorl.errors import ConfigError, LegorlError
+from legorl.core.errors import ConfigError, LegorlError
 
 # What a trial over the bound gets: left out, its stale tokens without loss, or trained as it is (its
 # importance weights, e.g. --is-mode mask, then the only correction: docs/off-policy.md)

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from legorl.errors import LegorlError
+from legorl.core.errors import LegorlError
 
 # JSON can spell a lone UTF-16 surrogate (\ud800); no Arrow string (so no shard) can hold one.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")

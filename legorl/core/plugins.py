@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
-from legorl.errors import ConfigError
+from legorl.core.errors import ConfigError
 
 
 def is_dotted_path(spec: str) -> bool:

@@ -1,5 +1,5 @@
 """Writing shards: rows to Arrow tables, and each table committed atomically as one part file
-(see :mod:`legorl.shards` for the contract)."""
+(see :mod:`legorl.core.shards` for the contract)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from legorl import __version__
-from legorl.errors import ShardError
-from legorl.schemas import SCHEMA_VERSION, SCHEMAS, SEGMENT_TYPE, Kind, _Row
-from legorl.shard_checks import check_rows
-from legorl.shard_files import (
+from legorl.core.errors import ShardError
+from legorl.core.schemas import SCHEMA_VERSION, SCHEMAS, SEGMENT_TYPE, Kind, _Row
+from legorl.core.shards.checks import check_rows
+from legorl.core.shards.files import (
     HOST,
     META_COMMAND,
     META_CREATED,

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from legorl.shard_files import HOST, alive
+from legorl.core.shards.files import HOST, alive
 
 FOLDER = ".summaries"
 SUFFIX = ".summary"

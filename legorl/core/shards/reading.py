@@ -1,5 +1,5 @@
 """Reading shards: one part file validated against its kind's schema, or a whole folder with
-later files winning on duplicate keys (see :mod:`legorl.shards` for the contract)."""
+later files winning on duplicate keys (see :mod:`legorl.core.shards` for the contract)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from legorl.errors import ShardError
-from legorl.schemas import KEY_COLUMNS, ROW_CLASSES, SCHEMA_VERSION, SCHEMAS, Kind
-from legorl.shard_checks import check_rows, conform, first_line
-from legorl.shard_files import META_COMMAND, META_KIND, META_VERSION, part_files
+from legorl.core.errors import ShardError
+from legorl.core.schemas import KEY_COLUMNS, ROW_CLASSES, SCHEMA_VERSION, SCHEMAS, Kind
+from legorl.core.shards.checks import check_rows, conform, first_line
+from legorl.core.shards.files import META_COMMAND, META_KIND, META_VERSION, part_files
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The Arrow schemas of the four shard kinds and of the structs inside their rows.
 
-:mod:`legorl.schemas` is where stages get them (with the row classes and keys); each field here
+:mod:`legorl.core.schemas` is where stages get them (with the row classes and keys); each field here
 matches a field of a row class there (``tests/test_schemas_agree.py`` checks it).
 """
 
@@ -45,7 +45,7 @@ CALL_TYPE = pa.struct(
         pa.field("temperature", pa.float64()),
         pa.field("top_p", pa.float64()),
         pa.field("top_k", pa.int64()),
-        # The policy version whose weights sampled the call (legorl.provenance): 0 = the initial model, +1
+        # The policy version whose weights sampled the call (legorl.trials.provenance): 0 = the initial model, +1
         # per weight load; null for a budget stop, behind an engine whose loads legorl does not see, and in
         # shards written before it was recorded (unknown).
         pa.field("policy_version", pa.int64()),
@@ -62,7 +62,7 @@ TIMINGS_TYPE = pa.struct(
     ]
 )
 
-# What produced a trial row (legorl.fingerprints): two rows alike here ran the same harness build, config,
+# What produced a trial row (legorl.trials.fingerprints): two rows alike here ran the same harness build, config,
 # legorl and model. Versions are the installed package's; config and model revision are sha256 prefixes
 # ("sha256:<16 hex>") of the effective harness config and of the model directory's files; a model the
 # rollout does not load itself (an external proxy) is "served:<name>".
@@ -76,7 +76,7 @@ TRIAL_FINGERPRINT_TYPE = pa.struct(
     ]
 )
 
-# What a trial cost (legorl.fingerprints.trial_cost): sandbox_s the wall time its sandboxes lived, over every
+# What a trial cost (legorl.trials.fingerprints.trial_cost): sandbox_s the wall time its sandboxes lived, over every
 # attempt; engine_s the time the engine took on its calls (their latencies); tokens summed over its calls,
 # cached = prompt tokens the proxy reused from the session's history (prompt_tokens - new_prompt_tokens, a
 # prefix an engine with prefix caching need not recompute); retries = attempts - 1.

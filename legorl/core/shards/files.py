@@ -1,6 +1,6 @@
 """The files of a shard folder: part names, the metadata keys they carry, the journals of
-compactions (:mod:`legorl.shard_compaction`) and the temp files of writers that died mid-write
-(see :mod:`legorl.shards` for the contract)."""
+compactions (:mod:`legorl.core.shards.compaction`) and the temp files of writers that died mid-write
+(see :mod:`legorl.core.shards` for the contract)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """What produced each row, and what each trial cost.
 
-A trial row's :class:`~legorl.schemas.TrialFingerprint` names the harness, its installed version, a
+A trial row's :class:`~legorl.core.schemas.TrialFingerprint` names the harness, its installed version, a
 digest of its effective config (the ``--harness-config`` file's bytes and the trial options the
 harness is given), legorl's version and the model revision (a digest of the model directory's files
 as the engine loaded them; the weights the loop loads later are each call's ``policy_version``,
-:mod:`legorl.provenance`). A grade row's :class:`~legorl.schemas.GradeFingerprint` names the image
+:mod:`legorl.trials.provenance`). A grade row's :class:`~legorl.core.schemas.GradeFingerprint` names the image
 and podman's id of it, the hidden-test command as run and the grader's version. :func:`mixes` says
 where a run's rows disagree — two harness versions or configs for one harness, two model revisions
 in one step, two images or grader versions for one task — for ``legorl inspect``.
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from legorl import __version__ as LEGORL_VERSION
-from legorl.digests import digest, file_digest
-from legorl.errors import LegorlError
-from legorl.schemas import TrialFingerprint
+from legorl.core.digests import digest, file_digest
+from legorl.core.errors import LegorlError
+from legorl.core.schemas import TrialFingerprint
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -104,7 +104,7 @@ def proxy_model_revision(proxy: Any) -> str | None:
 
 
 def trial_fingerprint(harness: str, cfg: Any = None, proxy: Any = None) -> TrialFingerprint:
-    """A trial's fingerprint: run with ``cfg`` (:class:`~legorl.trials.TrialOptions`; None: unknown,
+    """A trial's fingerprint: run with ``cfg`` (:class:`~legorl.trials.lifecycle.TrialOptions`; None: unknown,
     as for sessions an external harness opened) against ``proxy`` (None: unknown)."""
     return TrialFingerprint(
         harness=harness, harness_version=harness_version(harness),
@@ -160,8 +160,8 @@ def mixes(trials: Iterable[Mapping[str, Any]] = (), grades: Iterable[Mapping[str
 def run_mixes(root: Path) -> list[str]:
     """:func:`mixes` of a run directory's trials and grades (``rollouts/``, ``grades/``), and of its
     eval's, prefixed by the dataset's name; reads only the columns it needs."""
-    from legorl import shards
-    from legorl.schemas import Kind
+    from legorl.core import shards
+    from legorl.core.schemas import Kind
 
     out: list[str] = []
     for prefix in ("", "eval/"):

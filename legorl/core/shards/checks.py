@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from legorl.errors import ShardError
-from legorl.schemas import ENUM_COLUMNS, KEY_COLUMNS, SCHEMAS, Kind
+from legorl.core.errors import ShardError
+from legorl.core.schemas import ENUM_COLUMNS, KEY_COLUMNS, SCHEMAS, Kind
 
 
 def first_line(exc: BaseException) -> str:

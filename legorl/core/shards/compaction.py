@@ -1,7 +1,7 @@
 """Compaction: merging a dataset folder's runs of small part files into large ones, crash-safely.
 
 A run is a sequence of consecutive parts (in part-name order) small enough to merge. Its merged part
-holds each key's last row among them (what :func:`legorl.shards.read` resolves them to), sorted by
+holds each key's last row among them (what :func:`legorl.core.shards.read` resolves them to), sorted by
 step and key so that lookups skip row groups, and is named to sort where the run was: after every
 part before it and before every part after it, so "the later file wins" resolves as before.
 
@@ -11,7 +11,7 @@ The steps, each durable before the next (``fsync``):
    caller's ``on_merge`` (the monitor stores the merged part's summary there, keyed by its bytes:
    :mod:`legorl.monitor.summaries`);
 2. write the journal ``.compact-<merged>.json``, naming the merged part and the parts it replaces;
-3. rename the merged part into place: from here readers (:func:`legorl.shard_files.part_files`)
+3. rename the merged part into place: from here readers (:func:`legorl.core.shards.files.part_files`)
    hide the replaced parts, so none sees a row twice or zero times;
 4. remove the replaced parts, their summaries, then the journal.
 
@@ -35,13 +35,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from legorl import shard_summaries
-from legorl.errors import ShardError
-from legorl.paths import RUN_DATASETS, RunDir, file_lock
-from legorl.schemas import KEY_COLUMNS, SCHEMAS, Kind
-from legorl.shard_files import JOURNAL_PREFIX, part_files, read_journal, sweep_dead_writers
-from legorl.shard_reading import dedupe, read_file
-from legorl.shard_writing import fsync_dir, prepare, write_temp
+from legorl.core.errors import ShardError
+from legorl.core.paths import RUN_DATASETS, RunDir, file_lock
+from legorl.core.schemas import KEY_COLUMNS, SCHEMAS, Kind
+from legorl.core.shards import summaries as shard_summaries
+from legorl.core.shards.files import JOURNAL_PREFIX, part_files, read_journal, sweep_dead_writers
+from legorl.core.shards.reading import dedupe, read_file
+from legorl.core.shards.writing import fsync_dir, prepare, write_temp
 
 # A merged part's bounds (the sum of its inputs' sizes on disk, and rows); a part at a quarter of
 # either is large enough to stay as it is, which bounds how often a row is rewritten.
@@ -201,7 +201,7 @@ def compact_run(
     root: str | os.PathLike[str], *, target_bytes: int = TARGET_BYTES, target_rows: int = TARGET_ROWS,
     on_merge: OnMerge | None = None,
 ) -> list[Compacted]:
-    """Compact every dataset of a run directory (:data:`legorl.paths.RUN_DATASETS`)."""
+    """Compact every dataset of a run directory (:data:`legorl.core.paths.RUN_DATASETS`)."""
     run = RunDir.at(root)
     return [compact(run.root / name, kind, target_bytes=target_bytes, target_rows=target_rows, on_merge=on_merge)
             for name, kind in RUN_DATASETS]

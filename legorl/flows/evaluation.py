@@ -10,7 +10,7 @@ lives in ``RUN/eval/``, which has the layout of a run directory of its own::
     RUN/eval/report.json, report.md, predictions.jsonl
 
 The report carries, beside the monitor's figures, ``cost``: what the trials cost per step and
-harness (:func:`legorl.costs.cost_table`).
+harness (:func:`legorl.trials.costs.cost_table`).
 
 Because ``RUN/eval`` is laid out like a run, the unchanged stage functions (and the plain
 ``legorl rollout --run RUN/eval`` / ``legorl grade --run RUN/eval`` commands) work on it, and the
@@ -30,13 +30,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from legorl import shards
-from legorl.costs import run_costs
-from legorl.errors import LegorlError
+from legorl.core import shards
+from legorl.core.errors import LegorlError
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Kind, trial_key
 from legorl.grading.grader import GradeOptions
-from legorl.paths import RunDir
-from legorl.schemas import Kind, trial_key
-from legorl.trials import TrialOptions
+from legorl.trials.costs import run_costs
+from legorl.trials.lifecycle import TrialOptions
 
 PREDICTIONS = "predictions.jsonl"
 
@@ -56,7 +56,7 @@ def parse_ks(text: str | None) -> list[int] | None:
 
 @dataclass(kw_only=True)
 class EvalSettings(TrialOptions):
-    """Options of ``legorl eval``: the trials' (:class:`~legorl.trials.TrialOptions`), the grading's and the report's."""
+    """Options of ``legorl eval``: the trials' (:class:`~legorl.trials.lifecycle.TrialOptions`), the grading's and the report's."""
 
     run: Path = field(metadata={"help": "Run directory; the eval lives in RUN/eval."})
     temperature: float | None = field(default=None, metadata={"help": (
@@ -174,7 +174,7 @@ def build_eval_report(settings: EvalSettings) -> tuple[dict[str, Any], Any]:
         raise LegorlError(f"{view.rollouts}: none of this eval's {len(planned)} trial(s) are there")
     report = monitor_report.build_report(snap, [settings.step], settings.ks)
     report["settings"] = settings.as_report_dict()
-    report["cost"] = run_costs(view.root, set(snap.trials))  # per step and harness (legorl.costs)
+    report["cost"] = run_costs(view.root, set(snap.trials))  # per step and harness (legorl.trials.costs)
     if settings.baseline is not None:
         tasks = {t.task_id for t in snap.trials.values()}
         harnesses = set(settings.harnesses)

@@ -2,7 +2,7 @@
 
 Four dataset kinds meet on disk — ``tasks``, ``rollouts`` (one row per trial), ``grades`` (one row
 per graded trial) and ``metrics`` (long format). Each has an Arrow schema, a typed row class and a
-stable key (the Arrow schemas are written out in :mod:`legorl.arrow_schemas`). Bump
+stable key (the Arrow schemas are written out in :mod:`legorl.core.arrow_schemas`). Bump
 :data:`SCHEMA_VERSION` when a field changes meaning; adding a nullable field is
 backward compatible (older files read with it null).
 """
@@ -17,15 +17,15 @@ from typing import Any, ClassVar, Self
 
 import pyarrow as pa
 
-# The Arrow schemas (legorl.arrow_schemas), re-exported: stages take schemas and rows from here.
-from legorl.arrow_schemas import CALL_TYPE as CALL_TYPE
-from legorl.arrow_schemas import GRADES_SCHEMA as GRADES_SCHEMA
-from legorl.arrow_schemas import METRICS_SCHEMA as METRICS_SCHEMA
-from legorl.arrow_schemas import ROLLOUTS_SCHEMA as ROLLOUTS_SCHEMA
-from legorl.arrow_schemas import SEGMENT_TYPE as SEGMENT_TYPE
-from legorl.arrow_schemas import TASKS_SCHEMA as TASKS_SCHEMA
-from legorl.arrow_schemas import TEST_RESULT_TYPE as TEST_RESULT_TYPE
-from legorl.arrow_schemas import TIMINGS_TYPE as TIMINGS_TYPE
+# The Arrow schemas (legorl.core.arrow_schemas), re-exported: stages take schemas and rows from here.
+from legorl.core.arrow_schemas import CALL_TYPE as CALL_TYPE
+from legorl.core.arrow_schemas import GRADES_SCHEMA as GRADES_SCHEMA
+from legorl.core.arrow_schemas import METRICS_SCHEMA as METRICS_SCHEMA
+from legorl.core.arrow_schemas import ROLLOUTS_SCHEMA as ROLLOUTS_SCHEMA
+from legorl.core.arrow_schemas import SEGMENT_TYPE as SEGMENT_TYPE
+from legorl.core.arrow_schemas import TASKS_SCHEMA as TASKS_SCHEMA
+from legorl.core.arrow_schemas import TEST_RESULT_TYPE as TEST_RESULT_TYPE
+from legorl.core.arrow_schemas import TIMINGS_TYPE as TIMINGS_TYPE
 
 SCHEMA_VERSION = 1
 HARBOR = "harbor"  # TaskRow.grader of a task its own tests/test.sh grades (None: SWE-style hidden tests)
@@ -214,7 +214,7 @@ class Call(_Row):
     temperature: float | None = None  # sampling that shaped the call's distribution (see CALL_TYPE)
     top_p: float | None = None
     top_k: int | None = None
-    policy_version: int | None = None  # the weights that sampled the call (see CALL_TYPE, legorl.provenance)
+    policy_version: int | None = None  # the weights that sampled the call (see CALL_TYPE, legorl.trials.provenance)
 
 
 @dataclass(slots=True)
@@ -262,7 +262,7 @@ class TaskRow(_Row):
 
 @dataclass(slots=True)
 class TrialFingerprint(_Row):
-    """What produced a trial (see TRIAL_FINGERPRINT_TYPE; computed by :mod:`legorl.fingerprints`)."""
+    """What produced a trial (see TRIAL_FINGERPRINT_TYPE; computed by :mod:`legorl.trials.fingerprints`)."""
 
     harness: str
     harness_version: str | None = None
@@ -273,7 +273,7 @@ class TrialFingerprint(_Row):
 
 @dataclass(slots=True)
 class TrialCost(_Row):
-    """What a trial cost (see TRIAL_COST_TYPE; derived by :func:`legorl.fingerprints.trial_cost`)."""
+    """What a trial cost (see TRIAL_COST_TYPE; derived by :func:`legorl.trials.fingerprints.trial_cost`)."""
 
     sandbox_s: float | None = None
     engine_s: float = 0.0
@@ -339,7 +339,7 @@ class TestResult(_Row):
 
 @dataclass(slots=True)
 class GradeFingerprint(_Row):
-    """What produced a grade (see GRADE_FINGERPRINT_TYPE; computed by :mod:`legorl.fingerprints`)."""
+    """What produced a grade (see GRADE_FINGERPRINT_TYPE; computed by :mod:`legorl.trials.fingerprints`)."""
 
     image: str | None = None
     image_digest: str | None = None

@@ -1,6 +1,6 @@
 """What each trial cost, per trial and per step and harness.
 
-:func:`trial_cost` is the one definition of a trial's cost (:class:`~legorl.schemas.TrialCost`, on
+:func:`trial_cost` is the one definition of a trial's cost (:class:`~legorl.core.schemas.TrialCost`, on
 every trial row): derived from its calls and attempts, plus the one figure nothing else records,
 the seconds its sandboxes lived. :func:`cost_table` sums it per step and harness for ``legorl
 eval``'s report and the dashboard; rows written before costs were recorded get theirs derived
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from legorl.schemas import Call, Segment, TrialCost
+from legorl.core.schemas import Call, Segment, TrialCost
 
 ALL = "all"  # the harness of a cost row over every harness (as legorl.monitor.stats.ALL)
 
@@ -134,8 +134,8 @@ def cost_table(trials: Iterable[Any]) -> list[dict[str, Any]]:
 def run_costs(root: Path, trial_ids: Collection[str] | None = None) -> list[dict[str, Any]]:
     """:func:`cost_table` of a run directory's trials (those of ``trial_ids`` when given); reads only
     the columns it needs."""
-    from legorl import shards
-    from legorl.schemas import Kind
+    from legorl.core import shards
+    from legorl.core.schemas import Kind
 
     columns = ["trial_id", "harness", "step", "attempts", "calls", "cost"]
     rows = shards.read(Path(root) / "rollouts", Kind.ROLLOUTS, columns=columns).table.to_pylist()

@@ -5,7 +5,7 @@ The contract:
 - a writer writes ``.part-*.parquet.<host>.tmp``, fsyncs it and renames it into place, so a reader
   never sees half a file and a killed stage loses at most what was in flight (the next writer in
   the folder removes the temp files of this host's dead writers); a write that fails (a full disk)
-  is a :class:`~legorl.errors.ShardError` and leaves no temp file;
+  is a :class:`~legorl.core.errors.ShardError` and leaves no temp file;
 - part names sort in write order, and when a key appears twice the row from the later file wins
   (a rerun that supersedes an infrastructure failure, say); :func:`read` reports how many;
 - every file carries its kind, schema version and the command that wrote it in its metadata, and
@@ -16,20 +16,20 @@ The contract:
 - :func:`read` takes ``where``, a filter pushed down to each file's row groups: a lookup by
   ``trial_id`` or ``step`` reads the row groups that can hold it, not the whole folder;
 - a rollout part may have a summary beside it, in the folder's hidden ``.summaries/``
-  (:mod:`legorl.shard_summaries`; what it holds: :mod:`legorl.monitor.summaries`): derived data that
+  (:mod:`legorl.core.shards.summaries`; what it holds: :mod:`legorl.monitor.summaries`): derived data that
   no shard reader sees, checked against its part before use, written by the dashboard's reader and
   by compaction's ``on_merge``.
 
-The work is done by :mod:`legorl.shard_files` (the folder's files), :mod:`legorl.shard_writing`,
-:mod:`legorl.shard_reading`, :mod:`legorl.shard_compaction` and :mod:`legorl.shard_checks`; this
+The work is done by :mod:`legorl.core.shards.files` (the folder's files), :mod:`legorl.core.shards.writing`,
+:mod:`legorl.core.shards.reading`, :mod:`legorl.core.shards.compaction` and :mod:`legorl.core.shards.checks`; this
 module is their public face (``docs/shards.md`` has the layout and the costs).
 """
 
 from __future__ import annotations
 
-from legorl.shard_compaction import Compacted, compact, compact_run
-from legorl.shard_files import HOST as _HOST
-from legorl.shard_files import (
+from legorl.core.shards.compaction import Compacted, compact, compact_run
+from legorl.core.shards.files import HOST as _HOST
+from legorl.core.shards.files import (
     META_COMMAND,
     META_CREATED,
     META_KIND,
@@ -38,7 +38,7 @@ from legorl.shard_files import (
     PART_GLOB,
     part_files,
 )
-from legorl.shard_reading import (
+from legorl.core.shards.reading import (
     Dataset,
     FileInfo,
     Vanished,
@@ -49,7 +49,14 @@ from legorl.shard_reading import (
     read_file,
     read_rows,
 )
-from legorl.shard_writing import ROWS_PER_PART, SECONDS_PER_PART, ShardWriter, to_table, write, write_table
+from legorl.core.shards.writing import (
+    ROWS_PER_PART,
+    SECONDS_PER_PART,
+    ShardWriter,
+    to_table,
+    write,
+    write_table,
+)
 
 __all__ = [
     "META_COMMAND",

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from legorl.schemas import Kind
+from legorl.core.schemas import Kind
 
 INFO_FILE = "legorl_train.json"  # in a checkpoint: what went in, the step's metrics
 

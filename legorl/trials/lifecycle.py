@@ -30,20 +30,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from legorl.costs import trial_cost
-from legorl.errors import ConfigError, LegorlError
-from legorl.fingerprints import trial_fingerprint
+from legorl.core.errors import ConfigError, LegorlError
+from legorl.core.paths import RunDir
+from legorl.core.schemas import Outcome, TaskRow, Timings, TrialRow, trial_key
 from legorl.harnesses import HARNESSES, REAL, Harness, parse_names
 from legorl.harnesses import get as get_harness
 from legorl.harnesses.base import KILL_GRACE_S, LOG_NAME, End, HarnessRun, ProxyView, TrialSpec, classify
 from legorl.harnesses.channel import ProxyChannel
 from legorl.harnesses.trialfiles import defuse_tree, remove_tree
-from legorl.paths import RunDir
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.clients import Closable, ProxyHandle, empty_capture
 from legorl.proxy.sessions import SessionCapture
 from legorl.sandbox.base import Sandbox, SandboxSpec
-from legorl.schemas import Outcome, TaskRow, Timings, TrialRow, trial_key
+from legorl.trials.costs import trial_cost
+from legorl.trials.fingerprints import trial_fingerprint
 
 SandboxFactory = Callable[[SandboxSpec], Sandbox]
 log = logging.getLogger(__name__)
