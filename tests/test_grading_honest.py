@@ -159,6 +159,8 @@ def _fix_numbers():
 
 
 _fix_state = _fix_inspect.getgeneratorstate(_fix_numbers())
+_fix_gen = _fix_numbers()
+_fix_started = next(_fix_gen) == 1 and _fix_gen.gi_frame is not None  # suspended: no caller
 
 try:
     import _fix_optional_speedups  # noqa: F401

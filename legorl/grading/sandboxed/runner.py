@@ -89,6 +89,9 @@ SETATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
 # its file, and honest factories and decorators set them.
 SPOOF_ATTRS = frozenset({"__code__", "__globals__", "__class__", "__defaults__", "__kwdefaults__"})
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"})
+# a generator's, coroutine's or async generator's frame attribute -> (its "running" flag, its code)
+SUSPENDABLE = {"gi_frame": ("gi_running", "gi_code"), "cr_frame": ("cr_running", "cr_code"),
+               "ag_frame": ("ag_running", "ag_code")}
 # stdlib helpers that hand frames to their caller; any other stdlib reader (asyncio's repr of a task, the
 # warnings module) keeps them to itself, so only the patch's own line reading a frame counts there
 FRAME_WALKERS = ("traceback.py", "inspect.py", "asyncio/base_tasks.py")
@@ -170,7 +173,7 @@ class Guard:
                 else:
                     self._direct(event, caller)
             elif event == "object.__getattr__":
-                if len(args) > 1 and args[1] in FRAME_ATTRS:
+                if len(args) > 1 and args[1] in FRAME_ATTRS and not self._own_suspended(args[0], args[1]):
                     reader = self._getframe(1)
                     if reader is not None and reader.f_code.co_filename.endswith(FRAME_WALKERS):
                         if not self._only_text(reader):
@@ -194,6 +197,16 @@ class Guard:
             pass
         finally:
             self._inside.discard(me)
+
+    def _own_suspended(self, obj: object, attr: object) -> bool:
+        """The frame of a generator (or coroutine) of the tree's own code that is not running: it has no
+        caller (``f_back`` is None), so it reaches nothing of the runner (``gen.gi_frame is None``, an honest
+        test of whether a generator finished, scored 0 on a task without canaries)."""
+        running, code = SUSPENDABLE.get(str(attr), ("", ""))
+        if not running or getattr(obj, running, True):
+            return False
+        path = getattr(getattr(obj, code, None), "co_filename", "")
+        return isinstance(path, str) and path.startswith(self.tree)
 
     def _only_text(self, reader: types.FrameType | None) -> bool:
         """The frame is read by the standard ``traceback`` module for a call from the tree that gets

@@ -1,0 +1,97 @@
+"""The runner's audit hook, alone in a child interpreter (no container): what the patch's own code
+does to frames is a finding, and the honest reads that reach nothing of the runner are not.
+
+The hook cannot be removed once installed, so each case runs in a fresh ``python3``; the grading
+container runs the same file (``legorl/grading/sandboxed/runner.py``) the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from legorl.grading.sandboxed import runner
+
+DRIVER = """
+import json, sys
+sys.path.insert(0, {runner_dir!r})
+import runner
+guard = runner.Guard({tree!r}, {{"mod.py": None}})
+sys.addaudithook(guard)
+sys.path.insert(0, {tree!r})
+import mod
+print(json.dumps(guard.check()))
+"""
+
+
+def findings(tmp_path: Path, code: str) -> list[str]:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "mod.py").write_text(textwrap.dedent(code))
+    driver = DRIVER.format(runner_dir=str(Path(runner.__file__).parent), tree=str(tree))
+    out = subprocess.run([sys.executable, "-I", "-c", driver], capture_output=True, text=True, timeout=60, check=True)
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+HONEST = {
+    "a suspended generator's frame": """
+        def numbers():
+            yield 1
+        gen = numbers()
+        next(gen)
+        suspended = gen.gi_frame is not None
+        """,
+    "a finished generator's frame": """
+        def numbers():
+            yield 1
+        gen = numbers()
+        list(gen)
+        finished = gen.gi_frame is None
+        """,
+    "an unstarted coroutine's frame": """
+        async def ready():
+            return True
+        coro = ready()
+        unstarted = coro.cr_frame is not None
+        coro.close()
+        """,
+    "a suspended async generator's frame": """
+        async def ticks():
+            yield 1
+        agen = ticks()
+        waiting = agen.ag_frame is not None
+        """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(HONEST))
+def test_a_frame_without_a_caller_is_no_finding(tmp_path: Path, case: str) -> None:
+    assert findings(tmp_path, HONEST[case]) == []
+
+
+def test_a_running_generator_reading_its_own_frame_is_a_finding(tmp_path: Path) -> None:
+    # running, the generator's frame has the runner's frames behind it (f_back, which no event audits)
+    found = findings(tmp_path, """
+        def walker():
+            frame = walking.gi_frame
+            yield frame.f_back is not None
+        walking = walker()
+        reached = next(walking)
+        """)
+    assert found == ["object.__getattr__ gi_frame at mod.py:3"]
+
+
+def test_a_suspended_generator_of_code_outside_the_tree_is_a_finding(tmp_path: Path) -> None:
+    # not the tree's own code: its frame's locals are another module's (a runner's hook wrapper, say)
+    found = findings(tmp_path, """
+        import os
+        walk = os.walk(os.path.dirname(__file__))
+        next(walk)
+        frame = walk.gi_frame
+        """)
+    assert found == ["object.__getattr__ gi_frame at mod.py:5"]
