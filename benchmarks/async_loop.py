@@ -61,7 +61,7 @@ def loop(run: Path, tasks_jsonl: Path, model: Path, args: argparse.Namespace, ma
                               max_turns=3, temperature=1.0),
         train=TrainConfig(learning_rate=2e-4, num_iterations=2, temperature=1.0, seed=0),
         model=model, steps=args.steps, grade=GradeOptions(concurrency=2, test_timeout=60.0),
-        max_staleness=max_staleness, policy_temperature=1.0, engine_name="bench-policy", max_context=2048,
+        max_staleness=max_staleness, engine_name="bench-policy", max_context=2048,
     )
     started = time.perf_counter()
     steps = run_online(cfg)

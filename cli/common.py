@@ -18,6 +18,8 @@ from rich.console import Console, RenderableType
 from rich.status import Status
 from rich.text import Text
 
+from legorl.core.paths import RUN_HELP
+
 # Not a terminal (CI, nohup, `> log`): a plain timestamped line at least this often while something runs.
 LOG_INTERVAL_S = 30.0
 # Not a terminal: tables take at most this width (COLUMNS, when set, wins); a line of text is never wrapped.
@@ -103,10 +105,8 @@ def log_line(text: str) -> None:
     console.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}", highlight=False, markup=False)
 
 
-RunOption = Annotated[
-    Path, typer.Option("--run", help="Run directory; the stage derives its inputs and outputs from it.")
-]
-OptionalRunOption = Annotated[Path | None, typer.Option("--run", help="Run directory.")]
+RunOption = Annotated[Path, typer.Option("--run", help=RUN_HELP)]
+OptionalRunOption = Annotated[Path | None, typer.Option("--run", help=RUN_HELP)]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON result on stdout.")]
 
 

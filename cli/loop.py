@@ -13,8 +13,8 @@ import typer
 from legorl.cli.common import JsonOption, console, print_json
 from legorl.cli.options import ConfigOptions, with_configs
 from legorl.core import metric_keys as mk
+from legorl.engines.config import EngineSpec
 from legorl.flows.online import OnlineConfig
-from legorl.flows.policy import PolicySpec
 from legorl.grading.grader import GRADE_FIELDS, GradeOptions
 from legorl.stages.rollout import RolloutConfig
 from legorl.training.options import TRAIN_CLI_FIELDS, TrainOptions
@@ -22,9 +22,6 @@ from legorl.training.options import TRAIN_CLI_FIELDS, TrainOptions
 # What `legorl loop` takes of each component's options (grading ones, GRADE_FIELDS, prefixed --grade-). The
 # trainer's temperature is the rollout's (the proxy samples at it); the step is set per step.
 LOOP_TRAIN_FIELDS = tuple(f for f in TRAIN_CLI_FIELDS if f != "temperature")
-# What serves the policy: the embedded engine, or a vLLM server (--upstream, or one started here)
-# whose weights the loop reloads each step.
-ENGINE_FIELDS = ("engine", "upstream", "reload_tolerance")
 
 
 def register(app: typer.Typer) -> None:
@@ -33,28 +30,20 @@ def register(app: typer.Typer) -> None:
                   grade=ConfigOptions(GradeOptions, only=GRADE_FIELDS, prefix="grade-"),
                   train=ConfigOptions(TrainOptions, only=LOOP_TRAIN_FIELDS, factory=dict),
                   loop=ConfigOptions(OnlineConfig, only=("model", "steps", "max_staleness", "stale_tokens"), factory=dict),
-                  engine=ConfigOptions(PolicySpec, only=ENGINE_FIELDS, factory=dict))
+                  engine=ConfigOptions(EngineSpec))
     def loop_command(rollout: RolloutConfig, grade: GradeOptions, train: dict[str, Any], loop: dict[str, Any],
-                     engine: dict[str, Any], json_out: JsonOption = False) -> None:
+                     engine: EngineSpec, json_out: JsonOption = False) -> None:
         """Run the online loop: each step rolls out with the latest policy, grades, trains, reloads."""
-        import dataclasses
-
-        from legorl.core.errors import LegorlError
         from legorl.flows.online import OnlineStep, run_online
         from legorl.flows.policy import require_model_dir
         from legorl.training.config import TrainConfig
 
         require_model_dir(loop["model"])
-        PolicySpec(model=loop["model"], **engine).validate()
-        if engine != {"engine": "embedded", "upstream": None, "reload_tolerance": None}:
-            if not set(ENGINE_FIELDS) <= {f.name for f in dataclasses.fields(OnlineConfig)}:
-                raise LegorlError("legorl loop --engine/--upstream: this online loop (legorl/flows/online.py) "
-                                  "does not hand an engine to its policy yet")
-            loop.update(engine)
+        engine.check()
         # The trainer reads the temperature from the calls the proxy records; passing it too keeps old
         # shards of a resumed run at it, and checks that the proxy really sampled at it.
         cfg = OnlineConfig(rollout=rollout, grade=grade, train=TrainConfig(**train, temperature=rollout.temperature),
-                           policy_temperature=rollout.temperature, **loop)
+                           engine=engine, **loop)
         run, names = rollout.run, rollout.harnesses
         phases = {"rollout": f"rollout ({', '.join(names)})", "grade": "grading", "train": "training"}
         history: list[dict[str, Any]] = []

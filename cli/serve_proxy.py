@@ -10,7 +10,7 @@ import typer
 
 from legorl.cli.common import OptionalRunOption, console, fail, wait_for_stop
 from legorl.cli.options import ConfigOptions, with_configs
-from legorl.engines.config import EngineConfig
+from legorl.engines.config import EngineConfig, ProxySampling
 from legorl.proxy.budgets import Budgets
 from legorl.proxy.limits import ProxyLimits
 
@@ -26,20 +26,18 @@ def register(app: typer.Typer) -> None:
     @app.command("serve-proxy")
     @with_configs(engine_config=ConfigOptions(EngineConfig),
                   budgets=ConfigOptions(Budgets, only=BUDGET_FIELDS, factory=_default_budgets),
-                  limits=ConfigOptions(ProxyLimits))
+                  limits=ConfigOptions(ProxyLimits), sampling=ConfigOptions(ProxySampling))
     def serve_proxy_command(
         engine_config: EngineConfig,
         budgets: Budgets,
         limits: ProxyLimits,
+        sampling: ProxySampling,
         host: Annotated[str, typer.Option(help="Address to bind; loopback by default.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Port (0 = a free one).")] = 8000,
         run: OptionalRunOption = None,
         api_key: Annotated[str | None, typer.Option("--api-key", envvar="LEGORL_PROXY_API_KEY",
                                                     help="Require this key (Bearer or x-api-key).")] = None,
         parser: Annotated[str | None, typer.Option(help="Tool-call parser (default: from the chat template).")] = None,
-        temperature: Annotated[float | None, typer.Option(
-            help="Sample every call at this temperature, whatever the harness asks (the trainer's).")] = None,
-        top_p: Annotated[float | None, typer.Option(help="Sample every call with this top-p.")] = None,
         single_session: Annotated[bool, typer.Option(
             "--single-session", help="Also serve the un-prefixed /v1 routes, as one shared session "
                                      "'default' (for a single client; off: they answer 404).")] = False,
@@ -60,8 +58,8 @@ def register(app: typer.Typer) -> None:
                 eng = engine_config.build()
             server = ProxyServer(eng, tokenizer, host=host, port=port, api_key=api_key, budgets=budgets,
                                  on_finish=ShardSink(run) if run is not None else None, parser=parser,
-                                 sampling=(SamplingOverride.policy(temperature, top_p) if temperature is not None
-                                           else SamplingOverride(top_p=top_p)),
+                                 sampling=(SamplingOverride(top_p=sampling.top_p) if sampling.temperature is None
+                                           else SamplingOverride.policy(sampling.temperature, sampling.top_p)),
                                  single_session=single_session, limits=limits).start()
         except LegorlError as exc:
             fail(str(exc))

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from legorl.core import shards
 from legorl.core.errors import ConfigError, LegorlError
-from legorl.core.paths import RunDir
+from legorl.core.paths import RUN_HELP, RunDir
 from legorl.core.schemas import Kind, Outcome, TrialRow, trial_key
 from legorl.engines.watched import WatchedEngine
 from legorl.harnesses import get as get_harness
@@ -41,7 +41,7 @@ class RolloutConfig(TrialOptions, ExecutorOptions):
     """Options of ``legorl rollout``: the trials' (:class:`~legorl.trials.lifecycle.TrialOptions`), where they run
     (:class:`~legorl.trials.executors.ExecutorOptions`) and the stage's."""
 
-    run: Path = field(metadata={"help": "Run directory; the stage derives its inputs and outputs from it."})
+    run: Path = field(metadata={"help": RUN_HELP})
     step: int = field(default=0, metadata={"help": "Policy step these trials belong to."})
     backoff_s: float = 2.0  # before retry n: backoff_s * 2**(n-1)
     keep_home: bool = False  # keep each trial's private HOME (large) next to its logs

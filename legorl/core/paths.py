@@ -11,6 +11,7 @@ from pathlib import Path
 
 from legorl.core.schemas import Kind
 
+RUN_HELP = "Run directory; the stage derives its inputs and outputs from it."  # --run, as every stage takes it
 INFO_FILE = "legorl_train.json"  # in a checkpoint: what went in, the step's metrics
 
 

@@ -14,7 +14,10 @@ from legorl.core.errors import ConfigError
 from legorl.core.plugins import is_dotted_path, load_object, missing_members
 from legorl.engines.base import Engine, Generation, PromptTooLong, RequestRejected, SamplingParams, TokenChunk
 
-ENGINE_KINDS = ("embedded", "vllm", "scripted")
+#: The engines that serve a model directory by name (beside them: a plug-in ``package.module:Class``,
+#: which only ``serve-proxy`` takes).
+ENGINES = ("embedded", "vllm")
+ENGINE_KINDS = (*ENGINES, "scripted")  # what make_engine takes by name (scripted: fixed completions, for tests)
 _ENGINE_ATTRIBUTES = ("name", "max_context")
 _ENGINE_METHODS = ("generate", "stream", "load_weights", "close")
 

@@ -34,6 +34,7 @@ from legorl.core import shards
 from legorl.core.errors import LegorlError
 from legorl.core.paths import RunDir
 from legorl.core.schemas import Kind, trial_key
+from legorl.engines.config import DEFAULT_TEMPERATURE
 from legorl.grading.grader import GradeOptions
 from legorl.trials.costs import run_costs
 from legorl.trials.lifecycle import TrialOptions
@@ -59,8 +60,6 @@ class EvalSettings(TrialOptions):
     """Options of ``legorl eval``: the trials' (:class:`~legorl.trials.lifecycle.TrialOptions`), the grading's and the report's."""
 
     run: Path = field(metadata={"help": "Run directory; the eval lives in RUN/eval."})
-    temperature: float | None = field(default=None, metadata={"help": (
-        "Sampling temperature (default: 0 = greedy for one sample, 1.0 for several).")})
     step: int = field(default=0, metadata={"help": "Policy step of the evaluated model (part of every trial key)."})
     ks: list[int] | None = field(default=None, metadata={"parse": parse_ks, "help": (
         "pass@k columns, e.g. 1,5 (default: 1, powers of two up to samples, samples).")})
@@ -72,11 +71,13 @@ class EvalSettings(TrialOptions):
         "The baseline's step (default: its latest eval step).")})
     grade: GradeOptions = field(default_factory=GradeOptions)  # how the eval's trials are graded
 
+    def unset_temperature(self) -> float:
+        return 0.0 if self.samples == 1 else DEFAULT_TEMPERATURE  # one sample: greedy
+
     @property
     def effective_temperature(self) -> float:
-        if self.temperature is not None:
-            return self.temperature
-        return 0.0 if self.samples == 1 else 1.0
+        assert self.temperature is not None  # set by TrialOptions.__post_init__
+        return self.temperature
 
     def validate(self) -> None:
         for k in self.ks or []:

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ from legorl.core import shards
 from legorl.core.errors import LegorlError
 from legorl.core.paths import Checkpoints, RunDir
 from legorl.core.schemas import Kind, MetricRow
+from legorl.engines.config import EngineSpec
 from legorl.flows.policy import Policy, PolicySpec, open_policy
 from legorl.grading.grader import GradeOptions
 from legorl.monitor import summaries
@@ -74,10 +75,9 @@ class OnlineConfig:
         "in the shards and counted in the metrics), mask (trained, its stale tokens without loss) or keep "
         "(trained as it is, its importance weights the only correction: pair it with --is-mode mask).")})
     grade: GradeOptions = field(default_factory=GradeOptions)  # how each step's trials are graded
-    engine: str = "embedded"  # PolicySpec.engine: embedded, or vllm (whose weights the loop reloads each step)
-    upstream: str | None = None  # PolicySpec.upstream: a running vLLM server (None with vllm: start one)
-    reload_tolerance: float | None = None  # PolicySpec.reload_tolerance
-    policy_temperature: float | None = None  # the proxy samples every call at it (None: as the harness asks)
+    # what serves the policy: embedded, or vllm (whose weights the loop reloads each step); every call
+    # samples at the rollout's temperature, whatever the harness asks
+    engine: EngineSpec = field(default_factory=EngineSpec)
     engine_name: str | None = None  # the model name the proxy answers with
     max_context: int | None = None
 
@@ -128,12 +128,11 @@ def run_online(cfg: OnlineConfig, *, phase: Phase | None = None,
         return phase(step, name) if phase is not None else nullcontext()
 
     policy = PolicySpec(model=Checkpoints(run.checkpoints).latest() or cfg.model, tokenizer=cfg.model,
-                        temperature=cfg.policy_temperature, engine_name=cfg.engine_name,
-                        max_context=cfg.max_context, engine=cfg.engine, upstream=cfg.upstream,
-                        reload_tolerance=cfg.reload_tolerance)
+                        temperature=cfg.rollout.temperature, engine_name=cfg.engine_name,
+                        max_context=cfg.max_context, **asdict(cfg.engine))
     with open_policy(policy) as served:
         assert served.engine is not None  # a model served here, never an external proxy
-        if cfg.upstream is not None:  # someone else's server: make it serve (and check) our starting policy
+        if cfg.engine.upstream is not None:  # someone else's server: make it serve (and check) our starting policy
             assert policy.model is not None
             served.reload(policy.model)
         served.engine.policy_version = initial_version(run)  # before any call

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from legorl.core.errors import LegorlError
 from legorl.engines.base import Engine
-from legorl.engines.config import UPSTREAM_HELP, check_upstream
+from legorl.engines.config import EngineSpec, SamplingConfig
 from legorl.engines.watched import WatchedEngine
 from legorl.proxy.clients import InProcessProxy, ProxyHandle, RemoteProxy
 from legorl.proxy.limits import ProxyLimits
@@ -22,25 +22,18 @@ from legorl.proxy.limits import ProxyLimits
 Loading = Callable[[Path], AbstractContextManager[object]]
 
 
-@dataclass
-class PolicySpec:
-    """Where the policy is: ``model`` (served in this process) or ``proxy_url``, exactly one."""
+@dataclass(kw_only=True)
+class PolicySpec(EngineSpec, SamplingConfig):
+    """Where the policy is: ``model`` (served in this process by the :class:`EngineSpec`'s engine) or
+    ``proxy_url``, exactly one; served here, every call samples at the :class:`SamplingConfig`'s
+    temperature, whatever the harness asks (None: as it asks)."""
 
     model: Path | None = field(default=None, metadata={"help": (
         "Model directory: the embedded engine's weights, or a vLLM engine's tokenizer (and the weights of the "
         "vLLM server started here when there is no --upstream).")})
-    engine: str = field(default="embedded", metadata={"help": (
-        "What serves --model: embedded (in this process) or vllm (the server at --upstream, or one started "
-        "here on --model; see `legorl vllm install`).")})
-    upstream: str | None = field(default=None, metadata={"help": UPSTREAM_HELP + (
-        " It serves the policy, and a training loop reloads its weights each step.")})
-    reload_tolerance: float | None = field(default=None, metadata={"help": (
-        "vLLM: the largest |Δ| in nats between served and checkpoint logprobs that a weight reload may leave "
-        "(default 1e-3, for float32 serving; raise it for a bfloat16 server).")})
     proxy_url: str | None = field(default=None, metadata={"aliases": ["--proxy"], "help": (
         "URL of a running `legorl serve-proxy` (instead of --model).")})
     api_key: str | None = field(default=None, metadata={"help": "API key of the --proxy."})
-    temperature: float | None = None  # in process: every call samples at it, whatever the harness asks
     tokenizer: Path | None = None  # default: the model directory's
     engine_name: str | None = None  # the model name the proxy answers with (default: the engine's)
     max_context: int | None = None
@@ -49,16 +42,11 @@ class PolicySpec:
     def validate(self) -> None:
         if (self.model is None) == (self.proxy_url is None):
             raise LegorlError("give exactly one of --model DIR (served here) or --proxy URL")
-        if self.engine not in ENGINES:
-            raise LegorlError(f"--engine {self.engine}: choose one of {', '.join(ENGINES)}")
-        check_upstream(self.upstream, self.engine)
-        if self.reload_tolerance is not None and not self.reload_tolerance > 0:
-            raise LegorlError(f"--reload-tolerance {self.reload_tolerance}: must be > 0")
+        self.check()
         if self.proxy_url is not None and self.engine != "embedded":
             raise LegorlError("--engine serves --model here; a --proxy brings its own engine")
 
 
-ENGINES = ("embedded", "vllm")
 # The fields of PolicySpec a command that runs trials takes as options.
 POLICY_FIELDS = ("model", "engine", "upstream", "proxy_url", "api_key")
 

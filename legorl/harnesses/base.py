@@ -77,7 +77,7 @@ class TrialSpec:
     anthropic_base_url: str  # http://HOST:PORT/sess/<id>
     max_turns: int = 30
     timeout_s: float = 1800.0
-    temperature: float | None = None
+    temperature: float | None = None  # the policy's (SamplingConfig.temperature), for a harness that sends one
     workdir: str = "/testbed"
     context_tokens: int | None = None  # the engine's context, for harnesses that must be told it
     harness_config: str | None = None  # the harness's own config file (absolute), when one was given

@@ -23,7 +23,8 @@ import numpy as np
 from legorl.core.errors import LegorlError
 from legorl.core.schemas import Call
 from legorl.engines import PromptTooLong, RequestRejected
-from legorl.engines.base import MIN_TEMPERATURE, Engine, Generation, SamplingParams, current_session
+from legorl.engines.base import Engine, Generation, SamplingParams, current_session
+from legorl.engines.config import sampled_temperature
 from legorl.engines.watched import WatchedEngine
 from legorl.proxy import budgets as B
 from legorl.proxy.budgets import Budgets
@@ -237,9 +238,8 @@ class ProxyCore:
                     return
             if self.sampling is not None:
                 self.sampling.apply(req)
-            temperature = req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0  # tinier: greedy
             params = SamplingParams(
-                max_tokens=max_new, temperature=temperature, top_p=req.top_p, top_k=req.top_k,
+                max_tokens=max_new, temperature=sampled_temperature(req.temperature), top_p=req.top_p, top_k=req.top_k,
                 stop_token_ids=self.renderer.stop_token_ids, seed=req.seed,
             )
             marker = self.parser.start_marker if (req.tools and req.parse_tools) else None

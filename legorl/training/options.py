@@ -9,12 +9,12 @@ TRL's ``GRPOConfig``, the object the trainer runs with. ``TRAIN_CLI_FIELDS`` nam
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from legorl.core.errors import ConfigError
 from legorl.core.schemas import SegmentReason
+from legorl.engines.config import SamplingConfig, check_temperature
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo"]
 ISLevel = Literal["token", "sequence", "geometric", "none"]
@@ -29,8 +29,10 @@ IS_MODES: tuple[str, ...] = ("truncate", "mask")
 
 
 @dataclass
-class TrainOptions:
-    """What a user chooses for one policy-gradient step (``legorl train``)."""
+class TrainOptions(SamplingConfig):
+    """What a user chooses for one policy-gradient step (``legorl train``). Its ``temperature``
+    (:class:`SamplingConfig`, TRL's field of that name) is only for shards that do not record their
+    sampling: the trainer takes it from the calls (legorl.training.sampling)."""
 
     # ------------------------------------------------------------------ legorl's own
 
@@ -110,10 +112,6 @@ class TrainOptions:
         "Advantage scaling: group std (GRPO), batch std, or none (Dr.GRPO). Default: none for dr_grpo, "
         "group otherwise (TRL: always group). legorl computes advantages over the whole step before "
         "training (legorl.training.advantages).")})
-    temperature: float | None = field(default=None, metadata={"help": (
-        "Sampling temperature of the rollouts, only for shards that do not record it (then 1.0). The "
-        "proxy records the sampling of every call and the trainer takes it from there; a different value "
-        "here is refused (legorl.training.sampling). Unset = take it from the shards (TRL: 1.0).")})
     max_completion_length: int | None = field(default=None, metadata={"help": (
         "Only Dr.GRPO's constant normaliser (tokens per sequence): nothing is generated. Default: the "
         "longest segment of the step (TRL: 512).")})
@@ -155,8 +153,7 @@ class TrainOptions:
             raise ConfigError(f"groups_per_batch must be >= 1 (got {self.groups_per_batch})")
         if self.learning_rate <= 0:
             raise ConfigError(f"learning rate must be > 0 (got {self.learning_rate})")
-        if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        check_temperature(self.temperature)
 
     def _validate_correction(self) -> None:
         if self.is_mode not in IS_MODES:

@@ -30,11 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from legorl.core.errors import LegorlError
-from legorl.engines.base import MIN_TEMPERATURE
+from legorl.engines.config import DEFAULT_TEMPERATURE, logprob_temperature, sampled_temperature
 
 log = logging.getLogger("legorl.train")
-
-DEFAULT_TEMPERATURE = 1.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,7 @@ class StepSampling:
     @property
     def logprob_temperature(self) -> float:
         """The temperature the trainer scores tokens at: the sampling one, 1 for greedy calls."""
-        return 1.0 if self.temperature == 0 else self.temperature
+        return logprob_temperature(self.temperature)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,11 +73,6 @@ class StepSampling:
             "logprob_temperature": self.logprob_temperature,
             "recorded_calls": self.recorded_calls, "unrecorded_calls": self.unrecorded_calls,
         }
-
-
-def effective_temperature(value: float) -> float:
-    """The temperature the proxy samples at when asked for ``value`` (below MIN_TEMPERATURE: greedy)."""
-    return value if value >= MIN_TEMPERATURE else 0.0
 
 
 def _same(a: float, b: float) -> bool:
@@ -141,10 +134,10 @@ def step_sampling(data: _Step, configured: float | None = None) -> StepSampling:
             "them); training at the %s temperature %g", data.step,
             "default" if configured is None else "configured (--temperature)", value,
         )
-        return StepSampling(effective_temperature(value), source, 0, unrecorded)
+        return StepSampling(sampled_temperature(value), source, 0, unrecorded)
     where, chosen = first
     temperature = chosen.temperature or 0.0
-    if configured is not None and not _same(effective_temperature(configured), temperature):
+    if configured is not None and not _same(sampled_temperature(configured), temperature):
         raise LegorlError(
             f"step {data.step}: --temperature {configured:g} differs from the temperature the rollouts were "
             f"sampled at ({temperature:g}, recorded on every call, e.g. {where}); training at another temperature "

@@ -33,6 +33,7 @@ from typing import Protocol
 from legorl.core.errors import ConfigError, LegorlError
 from legorl.core.paths import RunDir
 from legorl.core.schemas import Outcome, TaskRow, Timings, TrialRow, trial_key
+from legorl.engines.config import DEFAULT_TEMPERATURE, SamplingConfig, check_temperature
 from legorl.harnesses import HARNESSES, REAL, Harness, parse_names
 from legorl.harnesses import get as get_harness
 from legorl.harnesses.base import KILL_GRACE_S, LOG_NAME, End, HarnessRun, ProxyView, TrialSpec, classify
@@ -54,8 +55,10 @@ DEFAULT_MAX_TOKENS = 4096
 
 
 @dataclass(kw_only=True)
-class TrialOptions:
-    """How each trial runs, as ``legorl rollout``, ``eval`` and ``loop`` take it (each field an option)."""
+class TrialOptions(SamplingConfig):
+    """How each trial runs, as ``legorl rollout``, ``eval`` and ``loop`` take it (each field an option);
+    its ``temperature`` (:class:`SamplingConfig`) is the policy's, told to the harness too, and an unset
+    one is :meth:`unset_temperature`."""
 
     harnesses: list[str] = field(metadata={"aliases": ["--harness"], "parse": parse_names, "help": (
         f"Harness name(s), comma-separated: {', '.join(HARNESSES)}; all = the {len(REAL)} real ones (every name "
@@ -69,9 +72,6 @@ class TrialOptions:
     max_turns: int = field(default=30, metadata={"help": "Model calls per trial."})
     max_tokens: int | None = field(default=DEFAULT_MAX_TOKENS, metadata={"help": (
         "Cap on one call's sampled tokens (also capped by the model's context).")})
-    temperature: float | None = field(default=1.0, metadata={"help": (
-        "Policy sampling temperature: the in-process proxy samples every call at it (top-p 1, top-k off), "
-        "whatever the harness asks; recorded on every call for the trainer.")})
     retries: int = field(default=2, metadata={"help": "Extra attempts after an infrastructure error."})
     harness_config: Path | None = field(default=None, metadata={"help": (
         "The harness's own config file, in its own format (mini-swe-agent: its YAML, e.g. "
@@ -95,8 +95,13 @@ class TrialOptions:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
         if not self.timeout_s > 0:
             raise ConfigError(f"--timeout must be positive, got {self.timeout_s}")
-        if self.temperature is not None and not (0 <= self.temperature < float("inf")):
-            raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature is None:
+            self.temperature = self.unset_temperature()
+        check_temperature(self.temperature)
+
+    def unset_temperature(self) -> float:
+        """What the trials sample at when no temperature is given."""
+        return DEFAULT_TEMPERATURE
 
 
 def _config_path(cfg: TrialSettings) -> str | None:

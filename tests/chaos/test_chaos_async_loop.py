@@ -57,8 +57,7 @@ rollout = RolloutConfig(run=Path(a["run"]), harnesses=["simple"], samples=a["sam
                         max_turns=2, timeout_s=60)
 train = TrainConfig(temperature=rollout.temperature, skip_zero_advantage=False)
 cfg = OnlineConfig(rollout=rollout, grade=GradeOptions(), train=train,
-                   model=Path(a["model"]), steps=a["steps"], max_staleness=a["max_staleness"],
-                   policy_temperature=rollout.temperature)
+                   model=Path(a["model"]), steps=a["steps"], max_staleness=a["max_staleness"])
 run_online(cfg)
 """
 
