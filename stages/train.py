@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from legorl.core import metric_keys as mk
-from legorl.core import shards
 from legorl.core.errors import LegorlError
 from legorl.core.paths import INFO_FILE, Checkpoints, RunDir
-from legorl.core.schemas import Kind
 from legorl.training.advantages import group_advantages
 from legorl.training.batching import make_batches, token_micro_batches
+from legorl.training.checkpoint import commit, publish_metrics, save_trainer, stage
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData, load_step
 from legorl.training.metrics import MetricsRecorder, harness_split
@@ -178,6 +177,8 @@ def run_train(
             json.dumps({"init_from": str(init_from), "carry": str(carry) if carry else None})
         )
     processes.wait_for_everyone()
+    # A resumed step's optimizer comes with its partial save; a new one carries the previous step's.
+    carry = None if resume_ckpt else carry
     trainer = _build_trainer(init_from, partial, data, batches, config, carry, list(callbacks), sampling=sampling)
 
     started = time.perf_counter()
@@ -204,20 +205,11 @@ def run_train(
     tmp = checkpoints.staging(data.step)
     accelerator = trainer.accelerator
     if accelerator.is_main_process:
-        checkpoints.root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        stage(checkpoints, data.step)
     accelerator.wait_for_everyone()
-    # Every process calls the savers: under FSDP / DeepSpeed gathering the weights is collective (each
-    # writes only what its rank should).
-    trainer.save_model(str(tmp))
-    trainer._save_optimizer_and_scheduler(str(tmp))
-    trainer._save_rng_state(str(tmp))
-    accelerator.wait_for_everyone()
+    save_trainer(trainer, tmp)  # every process: gathering the weights may be collective
     if accelerator.is_main_process:
-        state.save_to_json(str(tmp / "trainer_state.json"))
-        _commit(checkpoints, tmp, final, data.step, recorder, {
+        commit(checkpoints, tmp, final, data.step, recorder, {
             "step": data.step, "run": str(run.root), "started_from": started_from, "updates": state.global_step,
             "trials": len(data.trials), "sequences": len(data.sequences), "dropped": dict(data.dropped),
             "config": config.to_dict(), "sampling": sampling.to_dict(), "metrics": summary,
@@ -227,23 +219,6 @@ def run_train(
     accelerator.wait_for_everyone()
     return TrainResult(data.step, final, state.global_step, len(data.trials), len(data.sequences),
                        dict(data.dropped), summary, started_from, main_process=accelerator.is_main_process)
-
-
-def _commit(
-    checkpoints: Checkpoints, tmp: Path, final: Path, step: int, recorder: MetricsRecorder, info: dict[str, Any],
-    metrics: Path,
-) -> None:
-    """Write the step's metrics and info into the staged checkpoint ``tmp``, move it into place as
-    ``final``, point ``latest`` at it and publish the metrics."""
-    recorder.write(tmp / Checkpoints.METRICS_DIR, step)  # committed with the checkpoint, published after it
-    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
-    os.replace(tmp, final)
-    checkpoints.set_latest(final)
-    publish_metrics(final, metrics, step)
-
-
-# What a checkpoint holds about its own step, not copied into a skipped step's checkpoint.
-_OWN_STEP_FILES = (INFO_FILE, Checkpoints.METRICS_DIR, Checkpoints.INIT_FILE, "trainer_state.json")
 
 
 def _commit_skipped(
@@ -260,14 +235,8 @@ def _commit_skipped(
     summary = recorder.summary()
     final = checkpoints.step(data.step)
     if processes.is_main_process:
-        checkpoints.root.mkdir(parents=True, exist_ok=True)
-        tmp = checkpoints.staging(data.step)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        shutil.copytree(init_from, tmp, ignore=lambda folder, names: [
-            n for n in names if os.fspath(folder) == os.fspath(init_from)
-            and (n in _OWN_STEP_FILES or n.startswith("checkpoint-"))])
-        _commit(checkpoints, tmp, final, data.step, recorder, {
+        tmp = stage(checkpoints, data.step, copy_of=init_from)
+        commit(checkpoints, tmp, final, data.step, recorder, {
             "step": data.step, "run": str(run.root), "started_from": str(init_from), "updates": 0,
             "trials": len(data.trials), "sequences": len(data.sequences), "dropped": dict(data.dropped),
             "config": config.to_dict(), "sampling": sampling.to_dict(), "metrics": summary, "skipped": reason,
@@ -284,20 +253,6 @@ def _processes(config: TrainConfig) -> Any:
 
     _ = config.device  # TrainingArguments sets the process group up (CPU: gloo) on first use
     return PartialState()
-
-
-def publish_metrics(checkpoint: Path, metrics: Path, step: int) -> None:
-    """Add the step's metrics rows, committed inside its checkpoint, to ``RUN/train/metrics`` unless
-    they are there already: written once whenever the stage is killed (a kill before the checkpoint
-    is committed retrains the step and writes nothing twice; one after it publishes on the rerun)."""
-    source = checkpoint / Checkpoints.METRICS_DIR
-    if not shards.part_files(source):
-        return  # a checkpoint from before metrics were committed with it
-    if shards.part_files(metrics):
-        steps = shards.read(metrics, Kind.METRICS, columns=["step"]).table.column("step").to_pylist()
-        if step in steps:
-            return
-    shards.write(metrics, Kind.METRICS, shards.read_rows(source, Kind.METRICS))
 
 
 def _build_trainer(

@@ -1,34 +1,32 @@
 """TRL's GRPO trainer, minus generation, plus segments.
 
 :class:`SegmentGRPOTrainer` subclasses ``trl.GRPOTrainer`` and changes only where the batch comes
-from. TRL's loop, losses (``_compute_loss``: grpo, dr_grpo, dapo, sequence-level GSPO), clipping,
-logging, checkpointing and reporters are used as they are:
+from and how its forward runs. TRL's loop, losses (``_compute_loss``: grpo, dr_grpo, dapo,
+sequence-level GSPO), clipping, logging, checkpointing and reporters are used as they are:
 
-- the train dataloader yields generation batches of whole groups (:mod:`.batching`), each
-  repeated for TRL's ``num_iterations x steps_per_generation`` micro-steps, the same batches in
-  every process of an ``accelerate launch``;
+- the train dataloader yields generation batches of whole groups (:mod:`.batching`), each repeated
+  for TRL's ``num_iterations x steps_per_generation`` micro-steps, the same in every process;
 - generating nothing, ``_micro_batches`` counts the batch's normalisers, leaves out trials whose
-  advantage is 0 (``skip_zero_advantage``), cuts the rest into micro-batches and each micro-batch
-  into one share per process (:func:`~.batching.micro_batch_plan`); ``_score`` pads this process's
-  rows, turns the loss mask into TRL's ``tool_mask``, recomputes their old logprobs (routing
-  replayed for MoE), folds the importance weights against the rollout logprobs and the trial
-  weighting into per-token advantages of shape (B, T), and records the health metrics over every
-  process's rows (:mod:`.distributed`); a micro-batch no process trains in does not run;
+  advantage is 0 (``skip_zero_advantage``) and cuts the rest into micro-batches, each into one share
+  per process (:func:`~.batching.micro_batch_plan`); ``_score`` makes this process's rows TRL's
+  inputs (:mod:`.scoring`), recomputes their old logprobs (:mod:`.recompute`; routing replayed for
+  MoE, :mod:`.replay`), folds the importance weights into per-token advantages and records the
+  health figures over every process's rows (:mod:`.health`);
 - ``_compute_loss`` is TRL's, run inside the routing-replay context; with ``padding_free`` (the
-  default) the per-token logprobs it asks for come from one packed, padding-free forward with the
-  LM head only at sampled positions and fork prefixes computed once (:mod:`.logprobs`,
-  :mod:`.packing`), the old logprobs from the same path without gradient, in token-bounded chunks.
+  default) the logprobs it asks for come from one packed forward with the LM head only at sampled
+  positions and fork prefixes computed once (:mod:`.logprobs`, :mod:`.packing`).
 
 Advantages are computed before training, per group over the whole step (:mod:`.advantages`), so
-how a generation batch is cut into micro-batches, or shared between processes, never changes them
-(docs/training-at-scale.md).
+how a batch is cut into micro-batches or shared between processes never changes them
+(docs/training-at-scale.md). The private TRL hooks overridden: :data:`TRL_PRIVATE_HOOKS`
+(docs/trainer.md: what a TRL upgrade re-checks).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,35 +41,36 @@ from trl.trainer.utils import identity
 
 from legorl.core import metric_keys as mk
 from legorl.core.errors import LegorlError
-from legorl.routing import capture_routing, replay_routing, routing_shape
+from legorl.training import scoring
 from legorl.training.attention import packed_attention
-from legorl.training.batching import BatchTotals, GroupBatchSampler, micro_batch_plan, pad, pad_rows, take
+from legorl.training.batching import BatchTotals, GroupBatchSampler, micro_batch_plan, pad
+from legorl.training.checkpoint import CarryOptimizer
 from legorl.training.config import TrainConfig
 from legorl.training.data import StepData, TrainSequence
-from legorl.training.distributed import gather_cat, sum_across
-from legorl.training.importance import (
-    SEGMENT_LEVELS,
-    importance_weights,
-    value_tokens,
-    value_versions,
-    weight_stats,
-    weight_stats_by_lag,
-)
+from legorl.training.distributed import sum_across
+from legorl.training.health import HealthRecorder, no_values
 from legorl.training.logprobs import sampled_logps
 from legorl.training.memory import map_large_blocks
-from legorl.training.metrics import MetricsRecorder, fidelity, harness_split
-from legorl.training.packing import MIN_SHARED_PREFIX, Packed, pack, token_chunks
+from legorl.training.metrics import MetricsRecorder, harness_split
+from legorl.training.packing import Packed
+from legorl.training.recompute import old_logps
+from legorl.training.replay import RoutingWatch, replay_setting, routed
 from legorl.training.tiling import tiled_mlp
 
-# Keys of TRL/Trainer logs not worth a metrics row (run summaries, bookkeeping).
-_SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second",
-                  "train_loss", "num_tokens", "step_time")
+# The private GRPOTrainer methods overridden here, each with why TRL's public surface does not do
+# (docs/trainer.md: what a TRL upgrade re-checks; tests/test_trl_hooks.py fails on a rename).
+TRL_PRIVATE_HOOKS: dict[str, str] = {
+    "_prepare_inputs": "TRL cuts a batch into equal shuffled slices; ours are whole trials, one share per process",
+    "_generate_and_score_completions": "TRL's one-batch scoring entry point: stored segments scored, nothing generated",
+    "_get_per_token_logps_and_entropies": "the packed, padding-free forward with the LM head at sampled tokens only",
+    "_compute_loss": "TRL's loss inside the packed-attention, tiling and routing contexts, held through backward",
+}
+# GRPOTrainer's private state read or written here: its micro-step count and buffered batches (the
+# buffering ``_prepare_inputs`` replaces), and its metric lists (legorl's figures join TRL's logs).
+TRL_PRIVATE_STATE = ("_step", "_buffered_inputs", "_metrics")
 
-# Marks a micro-batch that no process trains in: it does not run (SegmentGRPOTrainer.training_step).
-_NO_WORK = "legorl_no_work"
-# Marks a micro-batch whose old logprobs come from its own training forward (score_in_training_forward).
-_FROM_FORWARD = "legorl_old_from_forward"
-_HEALTH_VALUES = ("old", "rollout", "harness", "weight", "raw", "version", "tokens")
+_SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second",
+                  "train_loss", "num_tokens", "step_time")  # TRL's log keys not worth a metrics row
 
 
 def stored_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) -> list[float | None]:
@@ -79,20 +78,15 @@ def stored_reward(prompts: Any = None, completions: Any = None, **kwargs: Any) -
     raise RuntimeError("SegmentGRPOTrainer never scores completions: rewards come from the grades shards")
 
 
-@dataclass
-class RoutingWatch:
-    """Routing decisions the trainer's own router would make differently from the recorded ones."""
-
-    flips: int = 0
-    decisions: int = 0
-
-
 @dataclass(frozen=True)
-class _Scoring:
-    """What the next ``_get_per_token_logps_and_entropies`` call scores, packed."""
+class _NextForward:
+    """What the next ``_get_per_token_logps_and_entropies`` call, made by TRL's ``_compute_loss``, scores
+    packed (``packed``, ``score_mask``: TRL's ``completion_mask * tool_mask``) and whose old logprobs
+    its result gives (``fold_into``: the micro-batch, when they come from its own training forward)."""
 
-    packed: Packed
-    score_mask: torch.Tensor  # (B, C): TRL's ``completion_mask * tool_mask``
+    packed: Packed | None
+    score_mask: torch.Tensor | None
+    fold_into: dict[str, Any] | None
 
 
 class SegmentGRPOTrainer(GRPOTrainer):
@@ -112,36 +106,26 @@ class SegmentGRPOTrainer(GRPOTrainer):
         self.batches = batches
         self.train_config = args  # ``self.args``, typed: legorl's fields live on TRL's config
         self.recorder = MetricsRecorder()
-        self.carry_state_from = carry_state_from
         self.trained_tokens = 0  # segment tokens trained on (a shared fork prefix counts once per fork)
         self.forward_tokens = 0  # positions the training forwards ran (packed: shared prefixes once)
         self.padding_tokens = 0  # of which padding
-        self._scoring: _Scoring | None = None
+        self._next: _NextForward | None = None  # set only while TRL's _compute_loss runs (_intercept)
         self._held: ExitStack | None = None  # contexts that must outlive the forward (recompute in backward)
         self._generated_at: int | None = None  # the micro-step whose generation batch is buffered
-        self._fold_into: dict[str, Any] | None = None  # the micro-batch whose forward gives its old logprobs
-        self._health: tuple[list[str], list[TrainSequence]] | None = None  # harnesses, batch: figures pending
-        self._health_values: dict[str, list[torch.Tensor]] = {name: [] for name in _HEALTH_VALUES}
         self._own_keys: set[str] = set()
         dataset = Dataset.from_dict({"seq": list(range(len(data.sequences)))})
         super().__init__(
             model=model, reward_funcs=stored_reward, args=args, train_dataset=dataset,
             processing_class=processing_class, callbacks=callbacks,
         )
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad_id is None:
-            raise LegorlError("the tokenizer has neither a pad nor an eos token")
-        self.pad_id = int(pad_id)
-        self.routing_shape = routing_shape(self.accelerator.unwrap_model(self.model))
+        if carry_state_from is not None:  # a new step carries the previous step's optimizer and LR schedule
+            self.add_callback(CarryOptimizer(self, carry_state_from))
+        self.pad_id = scoring.pad_token_id(processing_class)
         has_routing = any(s.routed_experts is not None for s in data.sequences)
-        if args.routing_replay == "on" and (self.routing_shape is None or not has_routing):
-            raise LegorlError(
-                "routing replay is on but "
-                + ("the model is not MoE" if self.routing_shape is None else "the segments carry no routed_experts")
-            )
-        self.uses_routing = self.routing_shape is not None and has_routing
-        self.replay = self.uses_routing and args.routing_replay != "off"
+        self.uses_routing, self.replay = replay_setting(self.accelerator.unwrap_model(self.model), has_routing,
+                                                        args.routing_replay)
+        self.health = HealthRecorder(self.accelerator, args, data.step, routing=self.uses_routing, replay=self.replay,
+                                     record=self._record)
         # Logs go to the metrics shards and TRL's reporters; keep stdout clean for `--json`.
         self.remove_callback(PrinterCallback)
         if args.gradient_checkpointing:  # memory over compute: freed activations leave the process (memory.py)
@@ -193,26 +177,15 @@ class SegmentGRPOTrainer(GRPOTrainer):
             raise LegorlError("a generation batch with nothing to train on reached the trainer (the stage drops those)")
         # Seeded by the update count, so a resumed run cuts the same micro-batches.
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step)
-        chunks, ranks = self.steps_per_generation, self.accelerator.num_processes
-        plan = micro_batch_plan(seqs, chunks, ranks, generator, keep_trials_together=cfg.share_prefixes,
-                                by_tokens=cfg.max_tokens_per_micro_batch is not None)
+        plan = micro_batch_plan(seqs, self.steps_per_generation, self.accelerator.num_processes, generator,
+                                keep_trials_together=cfg.share_prefixes, by_tokens=cfg.max_tokens_per_micro_batch is not None)
         shares = [micro[self.accelerator.process_index] for micro in plan]
         from_forward = self.scores_in_training_forward
         scored = self._score([seqs[i] for share in shares for i in share], totals, seqs, from_forward=from_forward)
         if from_forward:
-            self._health = (harness_split(s.harness for s in seqs), seqs)
-        per_row_loss = cfg.trl_loss_type in ("grpo", "dr_grpo")
-        pieces, start = [], 0
-        for micro, share in zip(plan, shares, strict=True):
-            # Every process's piece of a micro-batch has as many rows (TRL gathers per-row figures).
-            height = max(1, *(len(s) for s in micro)) if ranks > 1 else len(share)
-            if not share:
-                pieces.append(pad_rows(self._no_op(seqs[0], totals, run=any(micro)), height))
-                continue
-            factor = height * chunks * ranks / totals.rows if per_row_loss else 1.0
-            pieces.append(pad_rows(take(scored, list(range(start, start + len(share))), factor), height))
-            start += len(share)
-        return pieces
+            self.health.pend(harness_split(s.harness for s in seqs), seqs)
+        return scoring.pieces(scored, plan, self.accelerator.process_index, totals, seqs[0], self.accelerator.device,
+                              per_row_loss=cfg.trl_loss_type in ("grpo", "dr_grpo"), routing=self.replay)
 
     @property
     def scores_in_training_forward(self) -> bool:
@@ -228,251 +201,105 @@ class SegmentGRPOTrainer(GRPOTrainer):
     def _score(
         self, seqs: list[TrainSequence], totals: BatchTotals, batch: list[TrainSequence], *, from_forward: bool = False,
     ) -> dict[str, Any]:
-        """``seqs`` (this process's rows) padded, their old logprobs recomputed (routing replayed for
-        MoE), the importance weights and trial weighting folded into per-token advantages; the health
-        figures recorded over ``batch``, every process's rows (gathered). ``from_forward``: no
-        recompute; the training forward folds them in (:meth:`_fold`) and the figures come after the
-        batch's last micro-step."""
+        """``seqs`` (this process's rows) padded into TRL's inputs, their old logprobs recomputed (routing
+        replayed for MoE), the importance weights and trial weighting folded into per-token advantages;
+        the health figures recorded over ``batch``, every process's rows (gathered). ``from_forward``:
+        no recompute; the training forward folds them in (:meth:`_fold`) and the figures come after
+        the batch's last micro-step."""
         device = self.accelerator.device
         cfg = self.train_config
         harnesses = harness_split(s.harness for s in batch)
-        output: dict[str, Any] = {}
-        watch = RoutingWatch()
-        values = {name: torch.zeros(0, device=device) for name in _HEALTH_VALUES}
-        if seqs:
-            padded = pad(seqs, self.pad_id)
-            input_ids = padded.input_ids.to(device)
-            attention_mask = padded.attention_mask.to(device)
-            logits_to_keep = padded.completion_ids.shape[1]
-            routing = padded.routing.to(device) if padded.routing is not None and self.uses_routing else None
-            model: Any = self.model
-            checkpointing_kwargs: Any = self.args.gradient_checkpointing_kwargs
-            mask = padded.loss_mask.to(device)
-            fork_keys = self._fork_keys(seqs).to(device)
-            rollout_logps = padded.rollout_logps.to(device)
-            versions = padded.versions.to(device)
-            trial_advantage = torch.tensor([s.advantage * s.scale for s in seqs], dtype=torch.float32, device=device)
-            if cfg.trl_loss_type == "grpo":
-                # TRL averages over sequences; a trial's segments were scaled to sum to one sequence, so
-                # averaging over trials instead is a factor sequences / trials (1 without forks).
-                trial_advantage *= totals.rows / totals.trials
-            harness_of = [float(harnesses.index(s.harness)) if harnesses else 0.0 for s in seqs]
-            output = {
-                "prompt_ids": padded.prompt_ids.to(device),
-                "prompt_mask": torch.ones_like(padded.prompt_ids).to(device),
-                "completion_ids": padded.completion_ids.to(device),
-                "completion_mask": padded.completion_mask.to(device),
-                "tool_mask": mask,
-                "num_items_in_batch": torch.tensor(float(totals.sampled), device=device),
-                "fork_keys": fork_keys,
-            }
-            if routing is not None and self.replay:
-                output["routed_experts"] = routing
-            if from_forward:
-                output.update({"trial_advantages": trial_advantage, "rollout_logps": rollout_logps,
-                               "harness_ids": torch.tensor(harness_of, device=device), "token_versions": versions,
-                               _FROM_FORWARD: True})
-                return output
-            with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
-                old_logps, watch = self.score(input_ids, attention_mask, logits_to_keep, routing,
-                                              padded.completion_mask.to(device) * mask, fork_keys)
-            weights, values["weight"], values["raw"] = self._importance_weights(old_logps, rollout_logps, mask)
-            sampled = mask > 0
-            values["old"], values["rollout"] = old_logps[sampled], rollout_logps[sampled]
-            values["harness"] = torch.tensor(harness_of, device=device)[:, None].expand_as(mask)[sampled]
-            values["version"] = value_versions(versions, mask, cfg.importance_sampling)
-            values["tokens"] = value_tokens(mask, cfg.importance_sampling)
-            output.update({"advantages": trial_advantage[:, None] * weights, "old_per_token_logps": old_logps})
-        if not from_forward:
-            self._record_health(values, harnesses, watch, batch)
-        return output
+        if not seqs:
+            if not from_forward:
+                self.health.record(no_values(device), harnesses, RoutingWatch(), batch)
+            return {}
+        padded = pad(seqs, self.pad_id)
+        routing = padded.routing.to(device) if padded.routing is not None and self.uses_routing else None
+        keys = scoring.fork_keys(seqs, cfg.share_prefixes).to(device)
+        inputs = scoring.trl_inputs(padded, keys, totals, routing if self.replay else None, device)
+        mask, rollout_logps, versions = inputs["tool_mask"], padded.rollout_logps.to(device), padded.versions.to(device)
+        advantage = scoring.trial_advantages(seqs, totals, cfg, device)
+        harness_ids = torch.tensor([float(harnesses.index(s.harness)) if harnesses else 0.0 for s in seqs],
+                                   device=device)
+        if from_forward:
+            inputs.update({"trial_advantages": advantage, "rollout_logps": rollout_logps, "harness_ids": harness_ids,
+                           "token_versions": versions, scoring.FROM_FORWARD: True})
+            return inputs
+        model: Any = self.model
+        checkpointing: Any = self.args.gradient_checkpointing_kwargs
+        with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing):
+            old, watch = self.score(padded.input_ids.to(device), padded.attention_mask.to(device),
+                                    padded.completion_ids.shape[1], routing, padded.completion_mask.to(device) * mask, keys)
+        advantages, values = scoring.fold_weights(old, rollout_logps, mask, advantage, versions, harness_ids, cfg)
+        inputs.update({"advantages": advantages, "old_per_token_logps": old})
+        self.health.record(values, harnesses, watch, batch)
+        return inputs
 
     def _fold(self, inputs: dict[str, Any], logps: torch.Tensor) -> None:
         """A micro-batch's old logprobs are its training forward's, detached: TRL then uses them as
-        ``old_per_token_logps`` (ratio 1); the importance weights against the rollout and the per-token
-        advantages are made from them here, before TRL's loss reads them, and their figures kept for
-        the end of the batch."""
-        cfg = self.train_config
-        old, mask = logps.detach(), inputs["tool_mask"]
-        weights, weight, raw = self._importance_weights(old, inputs["rollout_logps"], mask)
-        inputs["advantages"] = inputs["trial_advantages"][:, None] * weights
-        sampled = mask > 0
-        version = value_versions(inputs["token_versions"], mask, cfg.importance_sampling)
-        tokens = value_tokens(mask, cfg.importance_sampling)
-        if cfg.importance_sampling in SEGMENT_LEVELS:  # one weight per row: not the rows that only pad the piece
-            trained = sampled.any(-1)
-            weight, raw, version, tokens = weight[trained], raw[trained], version[trained], tokens[trained]
-        harness = inputs["harness_ids"][:, None].expand_as(mask)[sampled]
-        for name, value in zip(_HEALTH_VALUES, (old[sampled], inputs["rollout_logps"][sampled], harness, weight, raw,
-                                                version, tokens), strict=True):
-            self._health_values[name].append(value)
-
-    def _importance_weights(
-        self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cfg = self.train_config
-        return importance_weights(old, rollout, mask, cfg.importance_sampling, cfg.is_cap, cfg.is_mode, cfg.is_lower)
+        ``old_per_token_logps`` (ratio 1); the per-token advantages are made from them here, before
+        TRL's loss reads them, and their figures kept for the end of the batch."""
+        inputs["advantages"], values = scoring.fold_weights(
+            logps.detach(), inputs["rollout_logps"], inputs["tool_mask"], inputs["trial_advantages"],
+            inputs["token_versions"], inputs["harness_ids"], self.train_config, trained_rows_only=True,
+        )
+        self.health.add(values)
 
     def _flush_health(self) -> None:
         """After a generation batch's last micro-step: the figures of the old logprobs its forwards gave."""
-        if self._health is None or self._step % self.steps_per_generation:
-            return
-        device = self.accelerator.device
-        values = {name: torch.cat(parts) if parts else torch.zeros(0, device=device)
-                  for name, parts in self._health_values.items()}
-        harnesses, batch = self._health
-        self._health, self._health_values = None, {name: [] for name in _HEALTH_VALUES}
-        self._record_health(values, harnesses, RoutingWatch(), batch)
+        if self._step % self.steps_per_generation == 0:
+            self.health.flush()
 
-    def _record_health(
-        self, local: dict[str, torch.Tensor], harnesses: list[str], watch: RoutingWatch, batch: list[TrainSequence]
-    ) -> None:
-        """The fidelity, importance-weight (also per staleness level) and routing figures of the whole batch
-        (every process's rows)."""
-        cfg = self.train_config
-        gathered = {name: gather_cat(self.accelerator, value) for name, value in local.items()}
-        old, rollout = gathered["old"], gathered["rollout"]
-        everywhere = torch.ones_like(old)
-        self._record(fidelity(old, rollout, everywhere))
-        correction = (cfg.is_cap, cfg.is_mode, cfg.is_lower)
-        self._record(weight_stats(gathered["weight"], gathered["raw"], *correction, gathered["tokens"]).as_dict())
-        self._record(weight_stats_by_lag(gathered["weight"], gathered["raw"], gathered["version"], self.step_data.step,
-                                         *correction, gathered["tokens"]))
-        for index, harness in enumerate(harnesses):
-            rows = gathered["harness"] == index
-            self._record(fidelity(old[rows], rollout[rows], everywhere[rows]), harness)
-        if self.uses_routing:
-            flips, decisions = sum_across(self.accelerator, [float(watch.flips), float(watch.decisions)])
-            self._record({
-                mk.ROUTING_REPLAY: float(self.replay),
-                mk.ROUTING_NATURAL_FLIP_RATE: flips / max(decisions, 1.0),
-                mk.ROUTING_EFFECTIVE_FLIP_RATE: 0.0 if self.replay else flips / max(decisions, 1.0),
-            })
-        lengths = [len(s) for s in batch]
-        padding = 0.0 if cfg.padding_free else 1.0 - sum(lengths) / (len(lengths) * max(lengths))
-        self._record({mk.BATCH_SEQUENCES: float(len(batch)), mk.BATCH_PADDING_SHARE: padding})
-
-    def _no_op(self, seq: TrainSequence, totals: BatchTotals, *, run: bool) -> dict[str, Any]:
-        """A micro-batch that changes no weight: two tokens of ``seq``, none of them trained. ``run``:
-        another process trains in this micro-step, so this one must run it too (DDP's collectives);
-        otherwise it does not run at all (:meth:`training_step`)."""
-        device = self.accelerator.device
-        ids = torch.from_numpy(seq.token_ids[:2]).to(device)[None]
-        ones = torch.ones((1, 1), dtype=torch.long, device=device)
-        zeros = torch.zeros((1, 1), dtype=torch.float32, device=device)
-        out: dict[str, Any] = {
-            "prompt_ids": ids[:, :1], "prompt_mask": ones, "completion_ids": ids[:, 1:], "completion_mask": ones,
-            "tool_mask": zeros, "advantages": zeros, "old_per_token_logps": zeros,
-            "num_items_in_batch": torch.tensor(float(totals.sampled), device=device),
-            "fork_keys": torch.full((1,), -1, dtype=torch.long, device=device), _NO_WORK: not run,
-        }
-        if self.replay and seq.routed_experts is not None:
-            out["routed_experts"] = torch.from_numpy(seq.routed_experts[:2].astype("int64")).to(device)[None]
-        return out
-
-    def _fork_keys(self, seqs: list[Any]) -> torch.Tensor:
-        """One key per row: rows of one trial may share a prefix (-1 for every row: none shares)."""
-        if not self.train_config.share_prefixes:
-            return torch.full((len(seqs),), -1, dtype=torch.long)
-        trials: dict[str, int] = {}
-        return torch.tensor([trials.setdefault(s.trial_id, len(trials)) for s in seqs], dtype=torch.long)
-
-    def pack_rows(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, fork_keys: torch.Tensor,
-        routing: torch.Tensor | None,
-    ) -> Packed:
-        keys = [int(k) if k >= 0 else -1 - i for i, k in enumerate(fork_keys.tolist())]
-        return pack(input_ids, attention_mask, keys, routing, MIN_SHARED_PREFIX)
+    # ------------------------------------------------------------------ forwards: packed, routing replayed
 
     def score(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, routing: torch.Tensor | None,
         score_mask: torch.Tensor | None = None, fork_keys: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RoutingWatch]:
-        """Per-token logprobs of the last ``logits_to_keep`` positions, in chunks (of ``logprob_batch_size``
-        rows and, padding-free, ``logprob_max_tokens`` tokens), routing replayed (or watched) per chunk."""
-        watch = RoutingWatch()
-        cfg = self.train_config
-        padding_free = cfg.padding_free and score_mask is not None
-        if padding_free:
-            chunks = token_chunks(attention_mask.sum(-1).tolist(), cfg.logprob_max_tokens, cfg.logprob_batch_size)
-        else:
-            size = cfg.logprob_batch_size
-            chunks = [list(range(s, min(s + size, input_ids.shape[0]))) for s in range(0, input_ids.shape[0], size)]
-        out = []
-        for chunk in chunks:
-            rows = torch.tensor(chunk, device=input_ids.device)
-            chunk_routing = None if routing is None else routing[rows]
-            if not padding_free:
-                with self.routing_context(chunk_routing, watch):
-                    logps, _, _ = self._get_per_token_logps_and_entropies(
-                        self.model, input_ids[rows], attention_mask[rows], logits_to_keep
-                    )
-                out.append(logps)
-                continue
-            assert score_mask is not None
-            keys = fork_keys[rows] if fork_keys is not None else torch.full((len(chunk),), -1)
-            packed = self.pack_rows(input_ids[rows], attention_mask[rows], keys, chunk_routing)
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            with packed_attention(unwrapped), self.routing_context(packed.routing, watch), self.accelerator.autocast():
-                scored = sampled_logps(
-                    self.accelerator.unwrap_model(self.model), packed, input_ids[rows, -logits_to_keep:],
-                    score_mask[rows], temperature=self.temperature, compute_entropy=False,
-                    cast_lm_head_to_fp32=self.train_config.cast_lm_head_to_fp32,
-                )
-            out.append(scored.logps)
-        return torch.cat(out, dim=0), watch
+        """The old logprobs of the last ``logits_to_keep`` positions, in chunks (:mod:`.recompute`)."""
+        def padded(ids: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
+            return self._get_per_token_logps_and_entropies(self.model, ids, mask, keep)[0]
+
+        return old_logps(
+            self.accelerator.unwrap_model(self.model), input_ids, attention_mask, logits_to_keep, routing, score_mask,
+            fork_keys, self.train_config, temperature=self.temperature, padded_forward=padded,
+            routing_context=self.routing_context, autocast=self.accelerator.autocast,
+        )
+
+    def routing_context(
+        self, routing: torch.Tensor | None, watch: RoutingWatch | None = None
+    ) -> AbstractContextManager[None]:
+        """Replay ``routing`` in the forwards inside (when replay is on), else only watch it (:mod:`.replay`)."""
+        if routing is None or not self.uses_routing:
+            return nullcontext()
+        return routed(self.accelerator.unwrap_model(self.model), routing, replay=self.replay, watch=watch)
 
     def _get_per_token_logps_and_entropies(
         self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
         batch_size: int | None = None, compute_entropy: bool = False, compute_aux_loss: bool = False, **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's, unless ``_compute_loss`` packed the batch: then only the sampled positions are scored."""
-        scoring = self._scoring
-        if scoring is None:
+        nxt = self._next
+        if nxt is None or nxt.packed is None:
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **kwargs,
             )
-            if self._fold_into is not None:
-                self._fold(self._fold_into, logps)
-            return logps, entropies, aux
-        if scoring.packed.rows != input_ids.shape[0]:
-            raise LegorlError(f"packed {scoring.packed.rows} rows but asked to score {input_ids.shape[0]}")
-        with self.accelerator.autocast():
-            scored = sampled_logps(
-                self.accelerator.unwrap_model(model), scoring.packed, input_ids[:, -logits_to_keep:],
-                scoring.score_mask, temperature=self.temperature, compute_entropy=compute_entropy,
-                compute_aux_loss=compute_aux_loss, cast_lm_head_to_fp32=self.train_config.cast_lm_head_to_fp32,
-                forward_through=model,  # the DDP wrapper under accelerate launch: it syncs the gradients
-            )
-        if self._fold_into is not None:
-            self._fold(self._fold_into, scored.logps)
-        return scored.logps, scored.entropies, scored.aux_loss
-
-    @contextmanager
-    def routing_context(self, routing: torch.Tensor | None, watch: RoutingWatch | None = None) -> Iterator[None]:
-        """Replay ``routing`` [B, T, layers, top_k] in the forwards inside (when replay is on), else only
-        watch how the router's own choices differ from it."""
-        if routing is None or self.routing_shape is None:
-            yield
-            return
-        model = self.accelerator.unwrap_model(self.model)
-        recorded = (routing >= 0).all(-1).reshape(-1, routing.shape[-2])  # [tokens, layers]
-        if self.replay:
-            with replay_routing(model, routing) as replay:
-                yield
-            if watch is not None:
-                watch.flips += replay.flips
-                watch.decisions += int(recorded.sum())
-            return
-        with capture_routing(model) as capture:
-            yield
-        if watch is not None:
-            natural = torch.from_numpy(capture.take()).to(routing.device).long()
-            forced = routing.reshape(-1, *routing.shape[-2:])
-            differs = (natural.sort(-1).values != forced.sort(-1).values).any(-1)
-            watch.flips += int((differs & recorded).sum())
-            watch.decisions += int(recorded.sum())
+        else:
+            if nxt.packed.rows != input_ids.shape[0]:
+                raise LegorlError(f"packed {nxt.packed.rows} rows but asked to score {input_ids.shape[0]}")
+            assert nxt.score_mask is not None
+            with self.accelerator.autocast():
+                scored = sampled_logps(
+                    self.accelerator.unwrap_model(model), nxt.packed, input_ids[:, -logits_to_keep:],
+                    nxt.score_mask, temperature=self.temperature, compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss, cast_lm_head_to_fp32=self.train_config.cast_lm_head_to_fp32,
+                    forward_through=model,  # the DDP wrapper under accelerate launch: it syncs the gradients
+                )
+            logps, entropies, aux = scored.logps, scored.entropies, scored.aux_loss
+        if nxt is not None and nxt.fold_into is not None:
+            self._fold(nxt.fold_into, logps)
+        return logps, entropies, aux
 
     # ------------------------------------------------------------------ the loss: TRL's, under replay
 
@@ -481,16 +308,12 @@ class SegmentGRPOTrainer(GRPOTrainer):
         (gradient checkpointing re-runs the forward there); a micro-batch no process trains in does
         no forward and no backward (never the last of an update, where DDP synchronises)."""
         model.train()  # what Trainer.training_step does first; the look ahead needs it too
-        if self._prepare_inputs(inputs).get(_NO_WORK):
+        if self._prepare_inputs(inputs).get(scoring.NO_WORK):
             self._step += 1  # TRL's micro-step count, as its training_step would
             self._flush_health()
             return torch.zeros((), device=self.accelerator.device)
-        with ExitStack() as held:
-            self._held = held
-            try:
-                loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
-            finally:
-                self._held = None
+        with self._hold_through_backward():
+            loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
         self._flush_health()
         return loss
 
@@ -499,6 +322,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
         trained = inputs["tool_mask"].sum(-1) > 0  # not the rows that only pad a piece (pad_rows)
         self.trained_tokens += int(completion_mask[trained].sum()) + int(prompt_mask[trained].sum())
         routing = inputs.get("routed_experts")
+        packed = None
         with ExitStack() as local:
             held = self._held if self._held is not None else local
             if self.train_config.padding_free:
@@ -507,8 +331,7 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 keys = inputs.get("fork_keys")
                 if keys is None:
                     keys = torch.full((input_ids.shape[0],), -1, dtype=torch.long)
-                packed = self.pack_rows(input_ids, attention_mask, keys, routing)
-                self._scoring = _Scoring(packed, completion_mask * inputs["tool_mask"])
+                packed = scoring.pack_rows(input_ids, attention_mask, keys, routing)
                 self.forward_tokens += packed.length
                 routing = packed.routing
                 held.enter_context(packed_attention(self.accelerator.unwrap_model(model)))
@@ -518,14 +341,37 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 self.forward_tokens += int(completion_mask.numel()) + int(prompt_mask.numel())
                 self.padding_tokens += int((completion_mask == 0).sum())
             held.enter_context(self.routing_context(routing))
-            self._fold_into = inputs if inputs.get(_FROM_FORWARD) else None
-            try:
+            score_mask = None if packed is None else completion_mask * inputs["tool_mask"]
+            with self._intercept(_NextForward(packed, score_mask, inputs if inputs.get(scoring.FROM_FORWARD) else None)):
                 loss: torch.Tensor = super()._compute_loss(model, inputs)
-            finally:
-                self._scoring = self._fold_into = None
         return loss
 
-    # ------------------------------------------------------------------ metrics and state
+    # The two places state waits on the trainer for a later call, each for the length of one TRL call
+    # (docs/trainer.md): TRL's methods pass it no way to hand these on.
+
+    @contextmanager
+    def _hold_through_backward(self) -> Iterator[None]:
+        """Contexts ``_compute_loss`` enters stay open until TRL's ``training_step`` has run the backward
+        pass (gradient checkpointing re-runs the forward there)."""
+        with ExitStack() as held:
+            self._held = held
+            try:
+                yield
+            finally:
+                self._held = None
+
+    @contextmanager
+    def _intercept(self, next_forward: _NextForward) -> Iterator[None]:
+        """TRL's ``_compute_loss`` asks ``_get_per_token_logps_and_entropies`` for logprobs passing
+        tensors only: what that call scores packed, and which micro-batch its logprobs are the old ones
+        of, wait here for it."""
+        self._next = next_forward
+        try:
+            yield
+        finally:
+            self._next = None
+
+    # ------------------------------------------------------------------ metrics
 
     def work_counts(self) -> tuple[int, int, int]:
         """Trained, forwarded and padding tokens so far, summed over the processes."""
@@ -550,10 +396,3 @@ class SegmentGRPOTrainer(GRPOTrainer):
             self.recorder.add(key, float(value))
             if key == mk.TRL_CLIP_RATIO:
                 self.recorder.add(mk.CLIP_FRACTION, float(value))
-
-    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
-        """When continuing from the previous step's checkpoint, carry its optimizer and LR schedule."""
-        prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        if resume_from_checkpoint is None and self.carry_state_from is not None:
-            self._load_optimizer_and_scheduler(str(self.carry_state_from))
-        return prepared
