@@ -27,7 +27,7 @@ from typing import Any
 
 from legorl.sandbox import PodmanBackend, SandboxSpec, base_image, bounded
 from legorl.sandbox.host import podman_env, podman_path, require_image
-from legorl.sandbox.podman import EXEC_OUTPUT, STDERR
+from legorl.sandbox.podman_container import EXEC_OUTPUT, STDERR
 
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
 BIG = ["head", "-c", "10000000", "/dev/zero"]  # 10 MB of output

@@ -218,7 +218,7 @@ def test_patch_extraction_is_bounded(proxy: InProcessProxy, agent: type[Agent], 
     """The patch's own limit (600 s) is cut to 8 s here, so a bounded extraction shows in time. The
     agent's git filters no longer run when the patch is taken, so the agent hangs git itself (a
     ``git`` of its own first on the container's PATH)."""
-    from legorl.sandbox.podman import PodmanSandbox
+    from legorl.sandbox.podman_container import PodmanSandbox
 
     original = PodmanSandbox._run
 

@@ -19,7 +19,8 @@ from legorl.engines.scripted import ScriptedEngine
 from legorl.harnesses.host_limits import HOST_MEMORY_BYTES
 from legorl.proxy.clients import InProcessProxy
 from legorl.sandbox.base import SandboxSpec
-from legorl.sandbox.podman import PodmanBackend, PodmanSandbox
+from legorl.sandbox.podman import PodmanBackend
+from legorl.sandbox.podman_container import PodmanSandbox
 from legorl.stages.rollout import RolloutConfig, rollout_stage
 
 pytestmark = [pytest.mark.podman]

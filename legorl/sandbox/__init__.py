@@ -11,8 +11,11 @@ with PodmanBackend().create(SandboxSpec(image=base_image(), labels={"run": "demo
 """
 
 from legorl.sandbox.base import ExecResult, Sandbox, SandboxSpec
+from legorl.sandbox.errors import SandboxError
 from legorl.sandbox.host import base_image, podman_env, require_image
-from legorl.sandbox.podman import PodmanBackend, PodmanSandbox, SandboxError, live_sandboxes
+from legorl.sandbox.live import live_sandboxes
+from legorl.sandbox.podman import PodmanBackend
+from legorl.sandbox.podman_container import PodmanSandbox
 from legorl.sandbox.reaper import Reaped, reap
 from legorl.sandbox.testbed import TestbedError, install_testbed, prepare_repo, strip_history
 

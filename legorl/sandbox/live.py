@@ -15,7 +15,7 @@ from legorl.sandbox.host import podman_env, podman_path
 
 
 class Tracked(Protocol):
-    """A container this process created (:class:`~legorl.sandbox.podman.PodmanSandbox`)."""
+    """A container this process created (:class:`~legorl.sandbox.podman_container.PodmanSandbox`)."""
 
     name: str
     _removed: bool  # set once it is gone, so its own remove() does nothing
