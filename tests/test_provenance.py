@@ -246,10 +246,14 @@ def test_the_trainer_drops_or_masks_stale_trials_and_the_loop_writes_its_figures
     fresh = _row(2, [(0, 2, 3, 1)])
     mixed = _row(2, [(0, 2, 3, 0), (0, 7, 2, 2)])
     mixed.sample_index, mixed.trial_id = 1, "t/h/step2/sample1"
-    shards.write(run.rollouts, Kind.ROLLOUTS, [fresh, mixed])
+    broken = _row(2, [(0, 2, 3, 0)])  # two versions behind too, but its grading failed: training leaves it out
+    broken.sample_index, broken.trial_id = 2, "t/h/step2/sample2"
+    shards.write(run.rollouts, Kind.ROLLOUTS, [fresh, mixed, broken])
     shards.write(run.grades, Kind.GRADES, [
         GradeRow(r.trial_id, r.task_id, GradeStatus.GRADED, harness="h", step=2, reward=float(r.sample_index),
                  resolved=bool(r.sample_index)) for r in (fresh, mixed)])
+    shards.write(run.grades, Kind.GRADES, [GradeRow(broken.trial_id, broken.task_id, GradeStatus.INFRA_ERROR,
+                                                    harness="h", step=2, infra_failure=True)])
 
     taken = load_step(run, 2, staleness=provenance.Staleness(2))
     assert [t.trial_id for t in taken.trials] == [fresh.trial_id, mixed.trial_id]
@@ -266,6 +270,7 @@ def test_the_trainer_drops_or_masks_stale_trials_and_the_loop_writes_its_figures
     assert load_step(run, 2).dropped["stale_trial"] == 0  # no bound given: every trial as it is
 
     figures = _staleness_figures(run, 2, provenance.Staleness(1))
+    # the figures are of the trials training takes: the infrastructure failure is not among them
     assert figures[provenance.MAX_LAG] == 2.0 and figures[provenance.TRIALS_STALE] == 1.0
     _write_staleness(run, 2, figures)
     _write_staleness(run, 2, figures)  # a rerun after a kill between the write and the step's end

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
@@ -37,7 +38,7 @@ import pyarrow.compute as pc
 from legorl.core import shards
 from legorl.core.errors import LegorlError
 from legorl.core.paths import Checkpoints, RunDir
-from legorl.core.schemas import Kind, MetricRow
+from legorl.core.schemas import Kind, MetricRow, trial_is_infra
 from legorl.engines.config import EngineSpec
 from legorl.flows.policy import Policy, PolicySpec, open_policy
 from legorl.grading.grader import GradeOptions
@@ -332,11 +333,15 @@ def _staleness_figures(run: RunDir, step: int, bound: Staleness) -> dict[str, fl
 
 
 def _step_rows(run: RunDir, step: int) -> list[dict[str, Any]]:
-    """Step ``step``'s trials that training takes (not infrastructure failures), with their calls."""
-    table = shards.read(run.rollouts, Kind.ROLLOUTS, columns=["step", "infra_failure", "segments", "calls"],
-                        where=pc.field("step") == step).table
-    table = table.filter(pc.invert(table.column("infra_failure")))
-    return table.to_pylist()
+    """Step ``step``'s trials that training takes (not infrastructure failures: :func:`trial_is_infra`,
+    the rule training drops them by), with their calls."""
+    at_step = pc.field("step") == step
+    rows = shards.read(run.rollouts, Kind.ROLLOUTS, columns=["trial_id", "step", "infra_failure", "segments", "calls"],
+                       where=at_step).table.to_pylist()
+    grades = {g["trial_id"]: SimpleNamespace(**g) for g in shards.read(
+        run.grades, Kind.GRADES, columns=["reward", "status", "infra_failure"],
+        where=at_step | pc.field("step").is_null()).table.to_pylist()}  # grades written without their trial's step
+    return [r for r in rows if not trial_is_infra(r["infra_failure"], grades.get(r["trial_id"]))]
 
 
 def _write_staleness(run: RunDir, step: int, figures: dict[str, float]) -> None:
