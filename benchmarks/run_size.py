@@ -178,10 +178,12 @@ def operations(run: Path, trials: int, rows_per_part: int, compact: bool, out: P
 
         return sum(r.replaced for r in compact_run(run, on_merge=merge))
 
-    def inspect_run() -> Any:
+    def inspect_run() -> Any:  # what `legorl inspect` does (cli/inspect_cmd.py)
         from legorl.monitor.health import health_summary
+        from legorl.monitor.inspect import run_mixes
 
-        return len(inspect_path(run)["datasets"]), health_summary(run)["trials"]
+        summary = inspect_path(run)
+        return len(summary["datasets"]), health_summary(run, mixes=run_mixes(summary))["trials"]
 
     def overview_cold() -> Any:
         shutil.rmtree(run / "rollouts" / ".summaries", ignore_errors=True)

@@ -72,8 +72,9 @@ def _health(path: Path, summary: dict[str, Any]) -> dict[str, Any] | None:
     if summary["errors"] or not any(d["name"] in ("rollouts", "grades") for d in summary["datasets"]):
         return None
     from legorl.monitor.health import health_summary
+    from legorl.monitor.inspect import run_mixes
 
-    return health_summary(path)
+    return health_summary(path, mixes=run_mixes(summary))  # the fingerprints inspect_path has read
 
 
 def register(app: typer.Typer) -> None:

@@ -39,6 +39,15 @@ def test_overview_has_data_for_every_panel(runs: tuple[Path, Path]) -> None:
     assert ov["zero_variance_metric"]["all"]["steps"] == [0, 1]
     assert set(ov["behaviour"]["self_verification_rate"]) == {"all", "mini-swe-agent", "openhands"}
     assert len(ov["grid"]["tasks"]) == 4 and ov["grid"]["steps"] == [0, 1]
+    # sparse: one [task, step, solve rate, attempts] per attempted pair, as the trials table counts them
+    scored = [t for t in ov["trials"] if t["resolved"] is not None and not t["category"].startswith("infra")]
+    expected = {}
+    for t in scored:
+        solved, n = expected.get((t["task_id"], t["step"]), (0, 0))
+        expected[(t["task_id"], t["step"])] = (solved + bool(t["resolved"]), n + 1)
+    grid = ov["grid"]
+    assert {(grid["tasks"][i], grid["steps"][j]): (n, rate) for i, j, rate, n in grid["cells"]} == {
+        key: (n, pytest.approx(solved / n, abs=1e-3)) for key, (solved, n) in expected.items()}
     assert ov["eval"]["baseline"]["run"] == "other"
     assert len(ov["trials"]) == 64
     assert client.get("/api/overview?run=1").json()["counts"]["trials"] == 32

@@ -37,8 +37,9 @@ def _latest_pair(steps: list[int], values: list[Any]) -> tuple[Any, Any]:
     return latest, previous
 
 
-def health_summary(run: str | os.PathLike[str] | Snapshot) -> dict[str, Any]:
-    """The health figures of a run as plain data (JSON-able, deterministic for a given run)."""
+def health_summary(run: str | os.PathLike[str] | Snapshot, mixes: list[str] | None = None) -> dict[str, Any]:
+    """The health figures of a run as plain data (JSON-able, deterministic for a given run);
+    ``mixes``: the run's :func:`legorl.trials.fingerprints.run_mixes` when the caller has them."""
     snap = run if isinstance(run, Snapshot) else RunReader(run).snapshot()
     trials = list(snap.trials.values())
     steps = sorted({t.step for t in trials})
@@ -52,8 +53,8 @@ def health_summary(run: str | os.PathLike[str] | Snapshot) -> dict[str, Any]:
     latest_outcomes = (
         {c: v[-1] for c, v in outcomes["categories"].items() if v[-1]} if outcomes["steps"] else {}
     )
-    beh_rows = [r for r in behaviour_summary.aggregate(t.behaviour for t in trials)
-                if r["step"] == latest_step and r["harness"] == stats.ALL]
+    beh_rows = [r for r in behaviour_summary.aggregate(t.behaviour for t in trials if t.step == latest_step)
+                if r["harness"] == stats.ALL]
     beh = {k: beh_rows[0].get(k) for k in _BEHAVIOUR_HEADLINES} if beh_rows else {}
     metrics = stats.metric_series(snap)
     fidelity: dict[str, Any] = {}
@@ -83,7 +84,7 @@ def health_summary(run: str | os.PathLike[str] | Snapshot) -> dict[str, Any]:
         "fidelity": fidelity,
         "staleness": _staleness(metrics),
         "eval": _eval_headline(snap.eval_report),
-        "fingerprint_mixes": fingerprints.run_mixes(snap.root),
+        "fingerprint_mixes": fingerprints.run_mixes(snap.root) if mixes is None else mixes,
     }
     summary["warnings"] = warnings(summary)
     return summary

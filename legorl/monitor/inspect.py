@@ -50,10 +50,14 @@ def detect_kind(folder: Path) -> Kind | None:
 
 # The columns each kind's breakdown reads (the key columns come with them): not the conversations,
 # patches, test logs or problem statements.
+# Of the nested columns, the fields they count (``segments.token_ids``): not a segment's logprobs or routing.
 COLUMNS: dict[Kind, list[str]] = {
     Kind.TASKS: ["repo", "flaky_tests"],
-    Kind.ROLLOUTS: ["outcome", "harness", "step", "infra_failure", "segments", "calls", "fingerprint"],
-    Kind.GRADES: ["task_id", "status", "resolved", "reward", "infra_failure", "suspicious", "fingerprint"],
+    Kind.ROLLOUTS: ["outcome", "harness", "step", "infra_failure", "segments.token_ids", "segments.loss_mask",
+                    "calls.policy_version", "calls.budget_stop", "calls.completion_tokens",
+                    *(f"fingerprint.{field}" for field in fingerprints.TRIAL_FIELDS)],
+    Kind.GRADES: ["task_id", "status", "resolved", "reward", "infra_failure", "suspicious",
+                  *(f"fingerprint.{field}" for field in fingerprints.GRADE_FIELDS)],
     Kind.METRICS: ["value"],
 }
 
@@ -193,6 +197,14 @@ def summarize_dataset(name: str, folder: Path, kind: Kind) -> dict[str, Any]:
         "temp_files": len(list(folder.glob(".part-*.tmp"))),
         "breakdown": _breakdown(dataset),
     }
+
+
+def run_mixes(summary: dict[str, Any]) -> list[str]:
+    """:func:`legorl.trials.fingerprints.run_mixes` of the run :func:`inspect_path` summarised, from the
+    datasets' ``fingerprint_mixes`` it counted (the rollouts are not read again)."""
+    found = {d["name"]: d["breakdown"].get("fingerprint_mixes", []) for d in summary["datasets"]}
+    return [f"{prefix}{line}" for prefix in ("", "eval/") for name in ("rollouts", "grades")
+            for line in found.get(prefix + name, [])]
 
 
 def inspect_path(path: Path) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from legorl.core.paths import RunDir
 from legorl.core.schemas import GradeRow, Kind, MetricRow, TrialCost, TrialRow, trial_is_infra
 from legorl.core.shards import Vanished
 from legorl.monitor import summaries
-from legorl.monitor.behaviour import Action, Event, TrialBehaviour
+from legorl.monitor.behaviour import TrialBehaviour
 
 # Columns of grades we summarise (the test log can be large and is read only for one trial).
 _GRADE_COLUMNS = [
@@ -57,7 +57,7 @@ class TrialInfo:
     infra_failure: bool
     error: str | None
     patch: str | None
-    behaviour: TrialBehaviour
+    behaviour: TrialBehaviour  # its figures, without its events (a trial's detail classifies them from its row)
     token_lags: dict[int, int]  # sampled tokens per lag behind the trial's step (legorl.trials.provenance.token_lags)
     file: Path
     cost: TrialCost = field(default_factory=TrialCost)  # legorl.trials.costs.cost_of
@@ -133,23 +133,12 @@ def summarise_rollout_file(path: Path) -> list[TrialInfo]:
         raise Vanished(path, "part file vanished (replaced by a compaction)") from exc
 
 
-_ACTIONS = {str(a): a for a in Action}
 _COSTS = [f.name for f in fields(TrialCost)]
-
-
-def _event(turn: int, tool: str, actions: list[str], paths: list[str], seen: dict[Any, Event]) -> Event:
-    """An :class:`Event` (immutable), shared by the trials of a part that hold the same one."""
-    key = (turn, tool, *actions, None, *paths)
-    event = seen.get(key)
-    if event is None:
-        event = seen[key] = Event(turn, tool, tuple([_ACTIONS[a] for a in actions]), tuple(paths))
-    return event
 
 
 def trial_infos(summary: pa.Table, path: Path) -> list[TrialInfo]:
     """:class:`TrialInfo` of each row of a summary table, read column by column."""
     cols = {name: summary.column(name).to_pylist() for name in summary.column_names}
-    events: dict[Any, Event] = {}
     out = []
     for i, trial_id in enumerate(cols["trial_id"]):
         behaviour = TrialBehaviour(
@@ -157,7 +146,6 @@ def trial_infos(summary: pa.Table, path: Path) -> list[TrialInfo]:
             infra_failure=cols["infra_failure"][i],
             **{name: cols[name][i] for name in summaries.BEHAVIOUR_COUNTS},
             submitted=cols["submitted"][i], self_verifying=cols["self_verifying"][i],
-            events=[_event(turn, tool, actions, paths, events) for turn, tool, actions, paths in json.loads(cols["events"][i])],
         )
         out.append(TrialInfo(
             trial_id=trial_id, task_id=cols["task_id"][i], harness=cols["harness"][i], step=cols["step"][i],

@@ -148,19 +148,21 @@ def token_lags_by_step(snap: Snapshot) -> dict[str, Any]:
 
 
 def task_step_grid(snap: Snapshot) -> dict[str, Any]:
-    """Solve rate per (task, step): rows are tasks (sorted), columns steps; None where not attempted."""
-    # per task: step -> [solved, attempts]; the grid is dense (tasks x steps), so each cell is one lookup
-    acc: dict[str, dict[int, list[int]]] = defaultdict(dict)
+    """Solve rate per (task, step) where the task was attempted: ``tasks`` (sorted) and ``steps``
+    (sorted), and one cell ``[task index, step index, solve rate, attempts]`` per attempted pair.
+    Sparse: a run attempts each task at a few of its steps (the dense grid of a 10^5-trial run held
+    2.4 M cells, nearly all empty)."""
+    acc: dict[tuple[str, int], list[int]] = {}  # (task, step) -> [solved, attempts]
     for trial, grade in scored(snap):
-        cell = acc[trial.task_id].setdefault(trial.step, [0, 0])
+        cell = acc.setdefault((trial.task_id, trial.step), [0, 0])
         cell[0] += bool(grade.resolved)
         cell[1] += 1
-    tasks = sorted(acc)
-    steps = sorted({s for per_task in acc.values() for s in per_task})
-    rates = {t: {s: _r(c[0] / c[1]) for s, c in acc[t].items()} for t in tasks}
-    z = [[rates[t].get(s) for s in steps] for t in tasks]
-    n = [[c[1] if (c := acc[t].get(s)) else 0 for s in steps] for t in tasks]
-    return {"tasks": tasks, "steps": steps, "solve_rate": z, "n": n}
+    tasks = sorted({t for t, _ in acc})
+    steps = sorted({s for _, s in acc})
+    row = {t: i for i, t in enumerate(tasks)}
+    column = {s: i for i, s in enumerate(steps)}
+    cells = [[row[t], column[s], _r(c[0] / c[1]), c[1]] for (t, s), c in sorted(acc.items())]
+    return {"tasks": tasks, "steps": steps, "cells": cells}
 
 
 def problems(snap: Snapshot, steps: Iterable[int] | None = None) -> list[Problem]:

@@ -1,6 +1,7 @@
 """What the dashboard's overview keeps of each rollout part, stored beside it
 (:mod:`legorl.core.shards.summaries`): each trial's identity, outcome, behaviour figures, token lags,
-patch and cost, without its tokens or its conversation.
+patch and cost, without its tokens, its conversation or its behaviour events (each tool call
+classified: only a trial's detail shows them, and it classifies them from the row it reads).
 
 Summarising a trial (classifying every tool call of its conversation) costs milliseconds, so a cold
 overview of a 10^5-trial run would take minutes; a part's summary is built once. Who builds them:
@@ -30,7 +31,7 @@ from legorl.trials import provenance
 from legorl.trials.costs import cost_of
 
 # Bump when the summary's columns or what they mean change: older summaries are then recomputed.
-VERSION = 1
+VERSION = 2  # 2: no behaviour events
 
 # The rollout columns a summary copies, and those it is computed from (not the token ids or logprobs).
 IDENTITY = ["trial_id", "task_id", "harness", "step", "sample_index", "group_id", "model", "outcome",
@@ -55,7 +56,6 @@ SCHEMA = pa.schema([
     *(pa.field(name, pa.int64()) for name in BEHAVIOUR_COUNTS),
     pa.field("submitted", pa.bool_()),
     pa.field("self_verifying", pa.bool_()),
-    pa.field("events", pa.string()),  # JSON: [[turn, tool, [action], [path]]]
     pa.field("token_lags", pa.string()),  # JSON: [[lag, sampled tokens]]
     # the trial's cost (legorl.trials.costs.cost_of), as "cost_<field>"
     pa.field("cost_sandbox_s", pa.float64()),
@@ -90,7 +90,6 @@ def build(table: pa.Table) -> pa.Table:
             "infra_failure": bool(row.infra_failure),
             **{name: getattr(b, name) for name in BEHAVIOUR_COUNTS},
             "submitted": b.submitted, "self_verifying": b.self_verifying,
-            "events": json.dumps([[e.turn, e.tool, [str(a) for a in e.actions], list(e.paths)] for e in b.events]),
             "token_lags": json.dumps(sorted(provenance.token_lags(row).items())),
             **{f"cost_{name}": value for name, value in cost_of(row).to_dict().items()},
         })

@@ -33,6 +33,7 @@ from legorl.core import shards
 from legorl.core.errors import LegorlError
 from legorl.core.paths import RunDir
 from legorl.core.schemas import Kind, SegmentReason, grade_is_infra
+from legorl.core.shards.reading import latest_step
 from legorl.training.sampling import CallSampling
 from legorl.trials import provenance
 
@@ -120,17 +121,19 @@ def load_step(
     ``staleness`` (the overlapped loop's bound): a trial with calls more than ``max_staleness``
     policy versions behind ``step`` is left out (``drop_trial``) or trained without loss on its
     stale tokens (``mask``), or trained as it is (``keep``); without it every trial is taken as it is."""
-    steps = available_steps(run)
-    if not steps:
-        raise LegorlError(f"{run.rollouts}: no rollouts to train on (run `legorl rollout --run {run.root}` first)")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise LegorlError(f"{run.rollouts}: no rollouts for step {step} (steps present: {steps})")
+    if step is None:  # the latest: from the parts' row-group statistics, not their rows
+        step = latest_step(run.rollouts, Kind.ROLLOUTS, "step")
+        if step is None:
+            raise LegorlError(f"{run.rollouts}: no rollouts to train on (run `legorl rollout --run {run.root}` first)")
     # Only the step's rows, pushed down to the row groups (the cost does not grow with the run); a
     # full read of them validates them (segment arrays aligned, enums known) before we use them.
     at_step = pc.field("step") == step
     table = shards.read(run.rollouts, Kind.ROLLOUTS, where=at_step).table.select(["trial_id", *_ROLLOUT_COLUMNS])
+    if not table.num_rows:  # the steps present are read only to say so
+        steps = available_steps(run)
+        if not steps:
+            raise LegorlError(f"{run.rollouts}: no rollouts to train on (run `legorl rollout --run {run.root}` first)")
+        raise LegorlError(f"{run.rollouts}: no rollouts for step {step} (steps present: {steps})")
 
     grades = {
         g["trial_id"]: g

@@ -25,6 +25,8 @@ ALL = "all"  # the harness of a cost row over every harness (as legorl.monitor.s
 
 
 def _get(obj: Any, name: str) -> Any:
+    if isinstance(obj, dict):  # before the Mapping test, which is slow: called per trial of a run
+        return obj.get(name)
     return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
 
 
@@ -99,6 +101,7 @@ def segments_fork_cost(segments: Sequence[Segment]) -> ForkCost:
 
 
 COST_FIELDS = ("sandbox_s", "engine_s", "prompt_tokens", "sampled_tokens", "cached_tokens", "retries")
+_COUNTED = [(name, f"n_{name}") for name in COST_FIELDS]
 
 
 def cost_table(trials: Iterable[Any]) -> list[dict[str, Any]]:
@@ -108,14 +111,14 @@ def cost_table(trials: Iterable[Any]) -> list[dict[str, Any]]:
     sums: dict[tuple[int, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for row in trials:
         cost = cost_of(row)
+        known = [(name, counted, value) for name, counted in _COUNTED if (value := getattr(cost, name)) is not None]
+        step = int(_get(row, "step") or 0)
         for harness in (str(_get(row, "harness")), ALL):
-            acc = sums[(int(_get(row, "step") or 0), harness)]
+            acc = sums[(step, harness)]
             acc["trials"] += 1
-            for name in COST_FIELDS:
-                value = getattr(cost, name)
-                if value is not None:
-                    acc[name] += value
-                    acc[f"n_{name}"] += 1
+            for name, counted, value in known:
+                acc[name] += value
+                acc[counted] += 1
     out = []
     for (step, harness), acc in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[0][1] == ALL, kv[0][1])):
         n = int(acc["trials"])

@@ -146,6 +146,10 @@ GRADE_CHECKS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
+TRIAL_FIELDS = tuple(dict.fromkeys(field for _, _, field, _ in TRIAL_CHECKS))
+GRADE_FIELDS = tuple(dict.fromkeys(field for _, _, field, _ in GRADE_CHECKS))
+
+
 def mixes(trials: Iterable[Mapping[str, Any]] = (), grades: Iterable[Mapping[str, Any]] = ()) -> list[str]:
     """One line per place the rows' fingerprints disagree (rows as dicts; unknown values are skipped),
     e.g. ``harness mini-swe-agent: 2 harness configs (sha256:…, sha256:…)``."""
@@ -159,13 +163,35 @@ def mixes(trials: Iterable[Mapping[str, Any]] = (), grades: Iterable[Mapping[str
 
 def run_mixes(root: Path) -> list[str]:
     """:func:`mixes` of a run directory's trials and grades (``rollouts/``, ``grades/``), and of its
-    eval's, prefixed by the dataset's name; reads only the columns it needs."""
+    eval's, prefixed by the dataset's name; reads only the fingerprint fields it compares, and
+    compares them column by column."""
     from legorl.core import shards
     from legorl.core.schemas import Kind
 
     out: list[str] = []
     for prefix in ("", "eval/"):
-        trials = shards.read(root / f"{prefix}rollouts", Kind.ROLLOUTS, columns=["harness", "step", "fingerprint"])
-        grades = shards.read(root / f"{prefix}grades", Kind.GRADES, columns=["task_id", "fingerprint"])
-        out += [f"{prefix}{line}" for line in mixes(trials.table.to_pylist(), grades.table.to_pylist())]
+        for name, kind, groups, checks, fields in (
+            ("rollouts", Kind.ROLLOUTS, ["harness", "step"], TRIAL_CHECKS, TRIAL_FIELDS),
+            ("grades", Kind.GRADES, ["task_id"], GRADE_CHECKS, GRADE_FIELDS),
+        ):
+            table = shards.read(root / f"{prefix}{name}", kind, columns=[*groups, *(f"fingerprint.{f}" for f in fields)]).table
+            out += [f"{prefix}{line}" for line in _table_mixes(table, checks)]
+    return out
+
+
+def _table_mixes(table: Any, checks: tuple[tuple[str, str, str, str], ...]) -> list[str]:
+    """:func:`mixes` of one dataset's table (its group columns and ``fingerprint``), grouped by Arrow."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    fingerprint = table.column("fingerprint").combine_chunks()
+    out: list[str] = []
+    for group, label, field, what in checks:
+        values = pc.struct_field(fingerprint, field) if len(fingerprint) else pa.array([], pa.string())
+        known = pa.table({"group": table.column(group), "value": pc.cast(values, pa.string())}).filter(pc.is_valid(values))
+        distinct = known.group_by("group").aggregate([("value", "distinct")])
+        found = {g: sorted(v) for g, v in zip(distinct.column("group").to_pylist(),
+                                              distinct.column("value_distinct").to_pylist(), strict=True) if len(v) > 1}
+        for key, seen in sorted(found.items(), key=lambda kv: str(kv[0])):
+            out.append(f"{label} {key}: {len(seen)} {what} ({_short(seen)})")
     return out

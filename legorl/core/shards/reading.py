@@ -4,6 +4,8 @@ later files winning on duplicate keys (see :mod:`legorl.core.shards` for the con
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +13,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from legorl.core.errors import ShardError
@@ -46,24 +50,22 @@ def _file_info(path: Path) -> tuple[FileInfo, list[str]]:
         raise Vanished(path, "part file vanished (replaced by a compaction)") from exc
     except (OSError, pa.ArrowInvalid, UnicodeDecodeError) as exc:  # a column name that is not UTF-8
         raise ShardError(path, f"not a readable Parquet file ({first_line(exc)})") from exc
+    return _info(path, schema, meta.num_rows), schema.names
+
+
+def _info(path: Path, schema: pa.Schema, rows: int) -> FileInfo:
     md = schema.metadata or {}
     version = md.get(META_VERSION)
-    info = FileInfo(
+    return FileInfo(
         path=path,
         kind=md[META_KIND].decode(errors="replace") if META_KIND in md else None,
         schema_version=int(version) if version is not None and version.isdigit() else None,
         command=md[META_COMMAND].decode(errors="replace") if META_COMMAND in md else None,
-        rows=meta.num_rows,
+        rows=rows,
     )
-    return info, schema.names
 
 
-def read_file(
-    path: Path, kind: Kind, columns: list[str] | None = None, where: pc.Expression | None = None
-) -> pa.Table:
-    """Read and validate one part file of ``kind``: ``columns`` only (all by default), the rows
-    matching ``where`` only (all by default; row groups whose statistics rule it out are skipped)."""
-    info, names = _file_info(path)
+def _check_info(path: Path, kind: Kind, info: FileInfo) -> None:
     if info.kind != str(kind):
         found = f"a legorl '{info.kind}' shard" if info.kind else "not a legorl shard (no legorl metadata)"
         raise ShardError(path, f"expected a legorl '{kind}' shard, found {found}")
@@ -73,14 +75,71 @@ def read_file(
         raise ShardError(
             path, f"schema version {info.schema_version} is newer than this legorl reads ({SCHEMA_VERSION}); upgrade legorl"
         )
-    present = None if columns is None else [c for c in columns if c in names]
+
+
+_LOCAL = pafs.LocalFileSystem()
+_FRAGMENTS: OrderedDict[tuple[str, int, int, int], ds.ParquetFileFragment] = OrderedDict()
+_FRAGMENTS_KEPT = 4  # parsed footers kept: a reader going step by step through a part (the export) parses it once
+_FRAGMENTS_LOCK = threading.Lock()
+
+
+def _fragment(path: Path) -> ds.ParquetFileFragment:
+    """The part file as a dataset fragment with its footer parsed, kept for the next read of the same
+    file (by path, inode, size and mtime: a part is never rewritten in place, a new one is renamed over it)."""
+    st = os.stat(path)
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    with _FRAGMENTS_LOCK:
+        fragment = _FRAGMENTS.get(key)
+        if fragment is not None:
+            _FRAGMENTS.move_to_end(key)
+            return fragment
+    fragment = ds.ParquetFileFormat().make_fragment(str(path), filesystem=_LOCAL)
+    fragment.ensure_complete_metadata()
+    with _FRAGMENTS_LOCK:
+        _FRAGMENTS[key] = fragment
+        while len(_FRAGMENTS) > _FRAGMENTS_KEPT:
+            _FRAGMENTS.popitem(last=False)
+    return fragment
+
+
+def read_file(
+    path: Path, kind: Kind, columns: list[str] | None = None, where: pc.Expression | None = None
+) -> pa.Table:
+    """Read and validate one part file of ``kind``: ``columns`` only (all by default), the rows
+    matching ``where`` only (all by default; row groups whose statistics rule it out are skipped).
+
+    A column may name one field of a struct or list-of-structs column (``segments.token_ids``,
+    ``fingerprint.harness``): only that field is read (not a segment's logprobs, say), and the
+    column holds the fields named (:func:`projected_schema`). The file's footer is parsed once."""
+    schema = None if columns is None else projected_schema(kind, columns)
     try:
         if where is None:
-            table = pq.read_table(path, columns=present)
+            parquet = pq.ParquetFile(path)
+            arrow_schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
         else:
-            table = pq.read_table(path, columns=present, filters=where)
-            if present is not None:
-                table = table.select(present)
+            fragment = _fragment(path)
+            arrow_schema, rows = fragment.physical_schema, -1
+    except FileNotFoundError as exc:
+        raise Vanished(path, "part file vanished (replaced by a compaction)") from exc
+    except (OSError, pa.ArrowInvalid, UnicodeDecodeError) as exc:  # a column name that is not UTF-8
+        raise ShardError(path, f"not a readable Parquet file ({first_line(exc)})") from exc
+    try:
+        _check_info(path, kind, _info(path, arrow_schema, rows))
+    except ShardError:
+        if where is None:
+            parquet.close()
+        raise
+    present = None if schema is None else [f for f in schema if f.name in arrow_schema.names]
+    try:
+        if where is None:
+            with parquet:
+                table = parquet.read(columns=None if present is None else _leaves(kind, present))
+        elif present is None or all(f.equals(SCHEMAS[kind].field(f.name)) for f in present):
+            table = fragment.to_table(columns=None if present is None else [f.name for f in present], filter=where)
+        else:  # a part of a column, of some row groups: those the statistics leave, read by their leaves
+            groups = [g.id for g in fragment.subset(filter=where).row_groups]
+            with pq.ParquetFile(path) as parquet:
+                table = parquet.read_row_groups(groups, columns=_leaves(kind, present)).filter(where)
         # Parquet readers do not check UTF-8: a flipped byte in a string would otherwise be a
         # UnicodeDecodeError at the first to_pylist().
         table.validate(full=True)
@@ -88,19 +147,81 @@ def read_file(
         raise Vanished(path, "part file vanished (replaced by a compaction)") from exc
     except (OSError, pa.ArrowInvalid, UnicodeDecodeError) as exc:
         raise ShardError(path, f"corrupt Parquet data ({first_line(exc)})") from exc
-    if columns is not None:
-        schema = SCHEMAS[kind]
-        missing = [c for c in columns if c not in table.column_names]
-        for name in missing:
-            if not schema.field(name).nullable:
-                raise ShardError(path, "required column is missing", field=name)
-            table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
-        table = conform(path, kind, table.select(columns), pa.schema([schema.field(c) for c in columns]))
+    if schema is None:
+        table = conform(path, kind, table)
         check_rows(path, kind, table)
         return table
-    table = conform(path, kind, table)
-    check_rows(path, kind, table)
+    for fld in schema:
+        if fld.name not in table.column_names:
+            if not fld.nullable:
+                raise ShardError(path, "required column is missing", field=fld.name)
+            table = table.append_column(fld, pa.nulls(table.num_rows, fld.type))
+    table = conform(path, kind, table.select(schema.names), schema)
+    whole = [f.name for f in schema if f.equals(SCHEMAS[kind].field(f.name))]
+    check_rows(path, kind, table.select(whole))
+    if "segments" in table.column_names and "segments" not in whole:
+        _check_segment_part(path, table.column("segments"))
     return table
+
+
+def projected_schema(kind: Kind, columns: list[str]) -> pa.Schema:
+    """The schema of ``columns`` of a ``kind`` table: a ``name.field`` entry keeps that field of the
+    struct (or list-of-structs) column ``name``, the fields of one column in the order named."""
+    full = SCHEMAS[kind]
+    wanted: dict[str, list[str]] = {}  # column -> its fields named ([]: the whole column)
+    whole: set[str] = set()
+    for column in columns:
+        name, _, sub = column.partition(".")
+        if full.get_field_index(name) < 0:
+            raise ValueError(f"{kind} shards have no column {name!r}")
+        wanted.setdefault(name, [])
+        if sub:
+            wanted[name].append(sub)
+        else:
+            whole.add(name)
+    fields = []
+    for name, subs in wanted.items():
+        fld = full.field(name)
+        if subs and name not in whole:
+            is_list = pa.types.is_list(fld.type)
+            struct = fld.type.value_type if is_list else fld.type
+            if not pa.types.is_struct(struct):
+                raise ValueError(f"{kind} column {name!r} has no fields to choose from")
+            kept = pa.struct([struct.field(sub) for sub in dict.fromkeys(subs)])
+            fld = fld.with_type(pa.list_(fld.type.value_field.with_type(kept)) if is_list else kept)
+        fields.append(fld)
+    return pa.schema(fields)
+
+
+def _leaves(kind: Kind, fields: list[pa.Field]) -> list[str]:
+    """The Parquet column paths that hold ``fields`` (a whole column: its name)."""
+    out = []
+    for fld in fields:
+        if fld.equals(SCHEMAS[kind].field(fld.name)):
+            out.append(fld.name)
+            continue
+        is_list = pa.types.is_list(fld.type)
+        struct = fld.type.value_type if is_list else fld.type
+        prefix = f"{fld.name}.list.element." if is_list else f"{fld.name}."
+        out += [prefix + sub.name for sub in struct]
+    return out
+
+
+def _check_segment_part(path: Path, segments: pa.ChunkedArray) -> None:
+    """The checks of :func:`legorl.core.shards.checks.check_rows` on the segment fields read: a loss
+    mask as long as the token ids, of 0s and 1s."""
+    flat = pc.list_flatten(segments.combine_chunks())
+    names = {flat.type.field(i).name for i in range(flat.type.num_fields)}
+    if "loss_mask" not in names:
+        return
+    masks = flat.field("loss_mask")
+    if "token_ids" in names:
+        differs = pc.not_equal(pc.list_value_length(masks), pc.list_value_length(flat.field("token_ids")))
+        if pc.any(differs).as_py():
+            raise ShardError(path, "a segment's loss_mask and token_ids differ in length", field="segments")
+    values = pc.list_flatten(masks)
+    if len(values) and pc.any(pc.and_(pc.not_equal(values, 0), pc.not_equal(values, 1))).as_py():
+        raise ShardError(path, "loss_mask holds values other than 0 and 1", field="segments")
 
 
 @dataclass
@@ -140,7 +261,8 @@ def read(
 ) -> Dataset:
     """Read every part file of a dataset folder; later files win on duplicate keys.
 
-    ``columns`` reads only those columns (the key columns are always added). ``where`` reads only
+    ``columns`` reads only those columns (the key columns are always added; ``name.field``: one
+    field of a struct column, as in :func:`read_file`). ``where`` reads only
     the rows it matches, pushed down to each file (row groups its statistics rule out are never
     read): it must test only what a key determines (``trial_id``, ``step``, ``task_id``,
     ``harness``), or a superseded row could match where the row that supersedes it does not. A
@@ -149,7 +271,7 @@ def read(
     if columns is not None:
         columns = list(dict.fromkeys([*KEY_COLUMNS[kind], *columns]))
     files, tables = _read_listed(path, kind, columns, where)
-    schema = SCHEMAS[kind] if columns is None else pa.schema([SCHEMAS[kind].field(c) for c in columns])
+    schema = SCHEMAS[kind] if columns is None else projected_schema(kind, columns)
     if not tables:
         return Dataset(kind, schema.empty_table(), files, 0)
     table = pa.concat_tables(tables)
@@ -173,6 +295,44 @@ def _read_listed(
 
 
 _LIST_ATTEMPTS = 5
+
+
+def latest_step(path: str | os.PathLike[str], kind: Kind, column: str = "step") -> int | None:
+    """The largest value of the integer ``column`` in a dataset folder (None: no rows), from each part's
+    row-group statistics (a part written without them is read); a superseded row counts too."""
+    for attempt in range(_LIST_ATTEMPTS):
+        try:
+            found = [_column_max(f, kind, column) for f in part_files(path)]
+            return max((v for v in found if v is not None), default=None)
+        except Vanished:
+            if attempt == _LIST_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _column_max(path: Path, kind: Kind, column: str) -> int | None:
+    try:
+        meta = pq.read_metadata(path)
+    except FileNotFoundError as exc:
+        raise Vanished(path, "part file vanished (replaced by a compaction)") from exc
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise ShardError(path, f"not a readable Parquet file ({first_line(exc)})") from exc
+    names = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    if column not in names:
+        return None
+    index = names.index(column)
+    best: int | None = None
+    for g in range(meta.num_row_groups):
+        chunk = meta.row_group(g).column(index)
+        stats = chunk.statistics
+        if stats is None or not stats.has_min_max:
+            if chunk.num_values == 0:
+                continue
+            values = read_file(path, kind, columns=[column]).column(column)
+            top = pc.max(values).as_py()
+            return None if top is None else int(top)
+        best = int(stats.max) if best is None else max(best, int(stats.max))
+    return best
 
 
 def read_rows(path: str | os.PathLike[str], kind: Kind) -> list[Any]:

@@ -228,7 +228,8 @@ def _detail(snap: Snapshot, row: TrialRow, grade: GradeRow | None) -> dict[str, 
         "exit_code": row.exit_code, "attempts": row.attempts, "timings": row.timings.to_dict(),
         "category": stats.category(info, snap.grades.get(row.trial_id)),
         "patch": row.patch, "messages": _annotated_messages(messages), "segments": segs, "calls": calls,
-        "behaviour": behaviour.behaviour_dict(info.behaviour), "grade": grade_data,
+        # its events (every tool call classified) from the row: the overview's summaries do not keep them
+        "behaviour": behaviour.behaviour_dict(behaviour.trial_behaviour(row)), "grade": grade_data,
         "cost": costs.cost_of(row).to_dict(), "fork_cost": costs.segments_fork_cost(row.segments).to_dict(),
         "fingerprint": row.fingerprint.to_dict() if row.fingerprint else None,
     }

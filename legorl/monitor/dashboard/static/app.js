@@ -228,11 +228,14 @@ function renderBehaviour(ov) {
 
 function renderGrid(ov) {
   const g = ov.grid;
-  const text = g.n.map((row) => row.map((n) => (n ? `n=${n}` : "")));
+  // the overview sends the attempted cells only ([task, step, solve rate, attempts]); the heatmap wants rows
+  const z = g.tasks.map(() => new Array(g.steps.length).fill(null));
+  const text = g.tasks.map(() => new Array(g.steps.length).fill(""));
+  for (const [t, s, rate, n] of g.cells) { z[t][s] = rate; text[t][s] = `n=${n}`; }
   setPanel("panel-grid", g.tasks.length > 0, "No graded trials yet.");
   const div = $("chart-grid");
   plot(div, [{
-    type: "heatmap", z: g.solve_rate, x: g.steps.map(String), y: g.tasks, zmin: 0, zmax: 1, colorscale: [[0, "#d73027"], [0.5, "#fee08b"], [1, "#1a9850"]],
+    type: "heatmap", z, x: g.steps.map(String), y: g.tasks, zmin: 0, zmax: 1, colorscale: [[0, "#d73027"], [0.5, "#fee08b"], [1, "#1a9850"]],
     text, hovertemplate: "%{y}<br>step %{x}: solved %{z:.0%} (%{text})<extra></extra>", xgap: 2, ygap: 2,
     colorbar: { tickformat: ".0%", thickness: 12 },
   }], baseLayout({
