@@ -18,10 +18,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def unit(session: nox.Session) -> None:
-    """The inner loop's lane: no container, harness, GPU or long run, and none of the robustness suites
-    (attacks, chaos, fuzz, load). Not yet a two-minute lane: many of its tests load the tiny model or
-    start the CLI (issue #26)."""
-    session.run("pytest", "-q", "-m", "not slow and not podman and not harness and not gpu",
+    """The inner loop's lane, about a minute: no container, harness, GPU, model load, CLI subprocess or
+    long run (markers in pyproject.toml; a model load is marked by tests/conftest.py), and none of the
+    robustness suites (attacks, chaos, fuzz, load). The full suite is `nox -s tests`."""
+    session.run("pytest", "-q", "-m", "not slow and not podman and not harness and not gpu and not heavy",
                 *(f"--ignore=tests/{suite}" for suite in ("attacks", "chaos", "fuzz", "load")), *session.posargs)
 
 

@@ -30,6 +30,25 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+HEAVY = frozenset({"tiny_model", "tiny_moe_model", "browser"})  # a model to load, a Chromium to start
+LIGHT = frozenset({"tokenizer"})  # reads only the model directory's tokenizer: milliseconds
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that loads a tiny model or starts a browser (it, or a fixture it uses other than a
+    tokenizer, asks for one) is ``heavy``: seconds each, left out of ``make unit``. Tests heavy for
+    another reason (the CLI or a crash in a subprocess) carry the mark themselves."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)  # pytest's resolved fixture closure of the test
+        if info is None:
+            continue
+        own = set(info.argnames)
+        through = {name for name, defs in info.name2fixturedefs.items() if name not in LIGHT
+                   and any(HEAVY & set(d.argnames) for d in defs)}
+        if (own & HEAVY) or through:
+            item.add_marker(pytest.mark.heavy)
+
+
 def _model(kind: str, moe: bool) -> Path:
     from legorl.core.paths import cache_dir
     from legorl.models import MODEL_RECIPE_VERSION, init_model

@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from legorl.core import shards
 from legorl.core.schemas import GradeRow, Kind, MetricRow, Segment, TrialRow
+
+pytestmark = pytest.mark.heavy  # every test runs the CLI in a subprocess
 
 COMMANDS = ["serve-proxy", "rollout", "grade", "train", "eval", "tasks", "model", "harness", "setup", "inspect", "dashboard"]
 

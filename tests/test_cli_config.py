@@ -213,6 +213,7 @@ def test_an_option_of_the_command_may_not_take_a_config_file_option_name() -> No
         with_configs(cfg=ConfigOptions(Sample))(command)
 
 
+@pytest.mark.heavy
 def test_the_real_cli_shows_a_bad_file_as_one_line(tmp_path: Path) -> None:
     path = tmp_path / "rollout.yaml"
     path.write_text("run: r\nharnesses: [simple]\nsamples: lots\n")
@@ -267,6 +268,7 @@ def _capture(monkeypatch: pytest.MonkeyPatch, command: str) -> list[dict[str, An
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.heavy
 def test_print_config_then_config_gives_the_same_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      command: str) -> None:
     required, changed = COMMANDS[command]

@@ -66,6 +66,7 @@ class Piped:
         return "\n".join(line for _, line in self.lines)
 
 
+@pytest.mark.heavy
 def test_help_in_a_pipe_has_every_option_name_whole_on_its_line() -> None:
     import typer
 
@@ -104,6 +105,7 @@ def test_a_stage_in_a_log_prints_timestamped_lines_while_it_runs(tmp_path: Path,
     assert "warmed up" in run.text()
 
 
+@pytest.mark.heavy
 def test_log_lines_come_at_a_steady_interval_while_nothing_finishes(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from legorl.cli import common, progress
@@ -139,6 +141,7 @@ def test_status_in_a_log_prints_start_heartbeat_and_end(monkeypatch: pytest.Monk
     assert re.fullmatch(rf"{STAMP} training on runs/x: done after \ds", lines[-1]), lines
 
 
+@pytest.mark.heavy
 def test_long_lines_are_not_wrapped_in_a_log(tmp_path: Path) -> None:
     run = tmp_path / ("a-run-directory-with-a-name-long-enough-to-pass-eighty-columns-by-itself-" * 2)
     out = subprocess.run([*LEGORL, "tasks", "import", str(ROOT / "examples/tasks/tasks.parquet"), "--run", str(run),
@@ -196,6 +199,7 @@ def test_ctrl_c_on_a_rollout_says_how_to_resume_and_exits_130(tmp_path: Path, ti
     assert "Traceback" not in run.text(), run.text()
 
 
+@pytest.mark.heavy
 def test_tasks_list_shows_the_order_limit_takes(tmp_path: Path) -> None:
     import json
 

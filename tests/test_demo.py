@@ -40,6 +40,7 @@ def _pytest(cwd: Path, test_file: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.heavy
 def test_task_rows_import_and_their_tests_judge_the_fix(tmp_path: Path) -> None:
     """Rows import with the tasks stage; in each kind's repository (built from the bundle by the
     testbed code) the hidden FAIL_TO_PASS test fails before the fix and passes after the gold patch

@@ -143,6 +143,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.heavy
 def test_cli_rerun_resumes_and_gives_the_same_bytes(tmp_path: Path) -> None:
     """A finished eval: the command runs no trial and no grade (no engine, no containers), writes
     report.json/report.md/predictions, and a second run leaves them byte for byte the same."""
@@ -173,6 +174,7 @@ def test_cli_rerun_resumes_and_gives_the_same_bytes(tmp_path: Path) -> None:
     assert {p.name: p.read_bytes() for p in (run / "eval").glob("*.*")} == before
 
 
+@pytest.mark.heavy
 def test_cli_refuses_bad_input(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", steps=0)
     code, _, err = _cli("eval", "--run", str(run), "--harness", "mini-swe-agent")

@@ -56,6 +56,7 @@ def test_flaky_tests_are_those_whose_status_varies_under_one_patch() -> None:
         "a": {"gold": ["PASSED", "MISSING"], "empty": ["MISSING", "MISSING"]}}
 
 
+@pytest.mark.heavy
 def test_the_shipped_row_records_its_flaky_test(task: TaskRow) -> None:
     assert (task.FAIL_TO_PASS, task.PASS_TO_PASS) == (F2P, P2P)
     recorded = json.loads(task.flaky_tests or "{}")
@@ -156,6 +157,7 @@ def test_an_infra_failure_in_the_confirming_rerun_is_infra_not_0(task: TaskRow) 
     assert (row.error or "").startswith("the confirming rerun failed as infrastructure")
 
 
+@pytest.mark.heavy
 def test_inspect_shows_flaky_test_ids_as_text_at_80_columns(tmp_path: Path) -> None:
     """Parametrized ids hold brackets: the breakdown prints them as they are (not as rich markup)."""
     import os

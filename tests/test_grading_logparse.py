@@ -72,6 +72,7 @@ def real_log(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"{START_MARKER}\n{proc.stdout}{proc.stderr}\n{END_MARKER}\n{EXIT_CODE_MARKER}: {proc.returncode}\n"
 
 
+@pytest.mark.heavy
 def test_real_pytest_output_parses_to_every_status(real_log: str) -> None:
     statuses = parse_pytest(split_log(real_log).output)
     assert statuses.full == {

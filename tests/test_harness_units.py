@@ -156,6 +156,7 @@ def test_find_python() -> None:
         find_python((3, 12), explicit="/bin/true")
 
 
+@pytest.mark.heavy
 def test_harness_list_json() -> None:
     proc = subprocess.run([LEGORL, "harness", "list", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -168,6 +169,7 @@ def test_harness_list_json() -> None:
             assert row["works"], row
 
 
+@pytest.mark.heavy
 def test_rollout_cli_needs_one_engine(tmp_path: Path) -> None:
     proc = subprocess.run([LEGORL, "rollout", "--run", str(tmp_path), "--harness", "opencode"],
                           capture_output=True, text=True, timeout=120)

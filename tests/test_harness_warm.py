@@ -100,6 +100,7 @@ _SPAWNER = """
 """
 
 
+@pytest.mark.heavy
 def test_timeout_kills_the_forked_trial_and_all_its_descendants(tmp_path: Path) -> None:
     script = _script(tmp_path, "spawner.py", _SPAWNER)
     pids_file = tmp_path / "pids"
@@ -198,6 +199,7 @@ def test_trial_output_status_and_environment_are_the_cold_starts(tmp_path: Path)
     assert hot == cold
 
 
+@pytest.mark.heavy
 def test_concurrent_forked_trials_share_no_state(tmp_path: Path) -> None:
     script = _script(tmp_path, "state.py", """
         import json, os, random, sys, time
@@ -337,6 +339,7 @@ def test_what_the_server_forked_dies_when_it_stops(stop: str, tmp_path: Path) ->
     assert not warm._servers
 
 
+@pytest.mark.heavy
 def test_a_server_that_cannot_start_leaves_trials_cold(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "threaded.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), "

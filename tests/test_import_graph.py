@@ -8,6 +8,7 @@ each other are one idea split in two. ``cli/`` and ``stages/`` are ``legorl.cli`
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +68,7 @@ def imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
     return found
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports(path, name, known) for name, path in known.items()}

@@ -79,6 +79,7 @@ def test_loop_trains_and_the_next_step_samples_from_the_new_checkpoint(
     assert all(h["new_trials"] == 0 and h["new_grades"] == 0 for h in again)
 
 
+@pytest.mark.heavy
 def test_loop_refuses_a_verifier_it_cannot_import_before_any_rollout(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert legorl("tasks", "import", str(TASKS), "--run", str(run), "--limit", "1").returncode == 0

@@ -92,6 +92,7 @@ def lines(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return recipe_lines(RECIPE, tmp_path_factory.mktemp("run"))
 
 
+@pytest.mark.heavy
 def test_every_legorl_line_parses(lines: list[str]) -> None:
     invocations = legorl_invocations(lines)
     commands = {parse_legorl(argv)[0] for _, argv in invocations}

@@ -100,6 +100,7 @@ def test_the_reader_keeps_head_and_tail_and_counts_what_it_dropped() -> None:
     assert out.stderr.endswith(b"\n" + b"e" * 10)
 
 
+@pytest.mark.heavy
 def test_the_reader_feeds_stdin_and_kills_on_timeout() -> None:
     data = bytes(range(256)) * 40_000  # 10 MB: more than a pipe holds
     out = bounded.run(["cat"], input=data, stdout=bounded.Cap(len(data), 0), stderr=bounded.Cap(100, 0))

@@ -130,6 +130,7 @@ def _compact_killed(folder: Path, target: int, kill_at: int) -> subprocess.Compl
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.heavy
 def test_sigkill_at_every_point_of_a_compaction(tmp_path: Path) -> None:
     """Killed before each of its writes, fsyncs, renames and removals in turn: a reader sees what it
     saw before (no row twice, none missing), and the next compaction finishes the job."""
@@ -154,6 +155,7 @@ def test_sigkill_at_every_point_of_a_compaction(tmp_path: Path) -> None:
         assert _leftovers(folder) == [], kill_at
 
 
+@pytest.mark.heavy
 def test_readers_during_compactions_see_every_row_once(tmp_path: Path) -> None:
     """A writer adds parts and compacts them, over and over, while a reader reads."""
     written: list[str] = []

@@ -107,6 +107,7 @@ def test_missing_local_file_and_unknown_suffix(tmp_path: Path) -> None:
         read_source(str(tmp_path / "x.csv"))
 
 
+@pytest.mark.heavy
 def test_hub_id_fails_fast_offline(tmp_path: Path) -> None:
     """Through the CLI, as a user sees it: one line, no traceback, quickly."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}

@@ -102,6 +102,7 @@ TESTS = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy
 def test_remove_tests_hides_functions_and_keeps_files_runnable(tmp_path: Path) -> None:
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_m.py").write_text(TESTS)

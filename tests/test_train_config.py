@@ -103,6 +103,7 @@ def test_cli_fields_are_documented_once_and_are_legorl_trains_options() -> None:
     assert options["--learning-rate"] == 1e-6 and options["--loss"] == "grpo" and options["--report-to"] == "none"
 
 
+@pytest.mark.heavy
 def test_the_command_line_does_not_import_trl() -> None:
     import subprocess
     import sys

@@ -41,6 +41,7 @@ def _retained(mode: str) -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.heavy
 def test_freed_blocks_leave_the_process() -> None:
     assert _retained("default") > 300  # glibc keeps the 400 MB freed between live blocks
     assert _retained("map") < 50
