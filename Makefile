@@ -42,7 +42,7 @@ demo: setup
 test: test-deps
 	$(VENV)/bin/nox -s tests
 
-# The inner loop's lane (no containers, harnesses, long runs or robustness suites): 853 tests, 7.5 min on 2 idle cores.
+# The inner loop's lane (no containers, harnesses, model loads, CLI subprocesses, long runs or robustness suites): 752 tests, 2 min on 2 idle cores.
 unit: venv
 	$(VENV)/bin/nox -s unit
 
