@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -198,6 +199,29 @@ class ProcessHarness(BaseHarness):
         if not self.in_container:
             env |= {k: os.environ[k] for k in _HOST_ENV_KEEP if k in os.environ}
         return env
+
+    def python_runner(self, runner: Path, config_name: str, trial: TrialSpec, paths: TrialPaths,
+                      config: dict[str, Any], env: dict[str, str]) -> Launch:
+        """A runner script of legorl's that drives the harness's Python API (OpenHands, Terminus-2):
+        copied into the trial folder with the trial as JSON beside it (``config_name``; ``config`` adds
+        to it), run by the harness install's Python."""
+        shutil.copy(runner, paths.host / runner.name)
+        trial_json = paths.host / config_name
+        trial_json.write_text(json.dumps({
+            "api_base": trial.openai_base_url,
+            "model": trial.model,
+            "temperature": trial.temperature,
+            "task": trial.problem_statement,
+            "max_turns": trial.max_turns,
+            "workdir": trial.workdir,
+            **config,
+        }, indent=2))
+        env = self.base_env(paths) | {
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # else ~6 s of failed cost-map fetches at import
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",  # the venv is mounted read-only
+        } | env
+        return Launch([self.install.python or "python3", paths.at(runner.name), paths.at(trial_json.name)], env)
 
     def run(self, trial: TrialSpec, sandbox: Sandbox, trial_dir: Path) -> HarnessRun:
         paths = self.paths(trial_dir)

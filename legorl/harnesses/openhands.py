@@ -9,8 +9,6 @@ DockerWorkspace is not an option here: it needs a registry image and hard-codes 
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 from legorl.harnesses.base import (
@@ -36,23 +34,7 @@ class OpenHands(ProcessHarness):
     in_container = True
 
     def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
-        shutil.copy(RUNNER, paths.host / RUNNER.name)
-        cfg = {
-            "api_base": trial.openai_base_url,
-            "model": trial.model,
-            "temperature": trial.temperature,
-            "task": trial.problem_statement,
-            "max_turns": trial.max_turns,
-            "workdir": trial.workdir,
-        }
-        (paths.host / "openhands.json").write_text(json.dumps(cfg, indent=2))
-        env = self.base_env(paths) | {
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-            "OPENHANDS_SUPPRESS_BANNER": "1",
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONDONTWRITEBYTECODE": "1",  # the venv is mounted read-only
-        }
-        return Launch([self.install.python or "python3", paths.at(RUNNER.name), paths.at("openhands.json")], env)
+        return self.python_runner(RUNNER, "openhands.json", trial, paths, {}, {"OPENHANDS_SUPPRESS_BANNER": "1"})
 
     def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
         result = json_file(paths.host / "result.json")

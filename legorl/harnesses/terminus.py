@@ -26,8 +26,6 @@ temperature, the engine's context (so it summarizes before it overflows), no asc
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 from legorl.harnesses.base import (
@@ -59,24 +57,8 @@ class Terminus2(ProcessHarness):
     in_container = True
 
     def launch(self, trial: TrialSpec, paths: TrialPaths, sandbox: Sandbox) -> Launch:
-        shutil.copy(RUNNER, paths.host / RUNNER.name)
-        cfg = {
-            "api_base": trial.openai_base_url,
-            "model": trial.model,
-            "temperature": trial.temperature,
-            "task": trial.problem_statement,
-            "max_turns": trial.max_turns,
-            "workdir": trial.workdir,
-            "context_tokens": trial.context_tokens,
-            "tools_path": self.install.extra.get("tools_path"),
-        }
-        (paths.host / "terminus.json").write_text(json.dumps(cfg, indent=2))
-        env = self.base_env(paths) | {
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # else ~6 s of failed cost-map fetches at import
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONDONTWRITEBYTECODE": "1",  # the venv is mounted read-only
-        }
-        return Launch([self.install.python or "python3", paths.at(RUNNER.name), paths.at("terminus.json")], env)
+        return self.python_runner(RUNNER, "terminus.json", trial, paths, {
+            "context_tokens": trial.context_tokens, "tools_path": self.install.extra.get("tools_path")}, {})
 
     def read_end(self, paths: TrialPaths, proc: ProcResult) -> tuple[End, str | None]:
         result = json_file(paths.host / "result.json")
