@@ -20,7 +20,7 @@ import pytest
 
 from legorl.grading.canaries import halves
 from legorl.grading.patches import added_lines
-from legorl.grading.sandboxed import canary
+from legorl.grading.sandboxed import canary, expectations
 
 PATH = "tests/test_x.py"
 
@@ -150,9 +150,9 @@ def test_a_local_bound_once_is_the_expected_value() -> None:
             assert v.bump_prerelease() == expected
         """)
     func = ast.parse(source).body[0]
-    stmt = canary.statement_at(func, 4)
+    stmt = expectations.statement_at(func, 4)
     assert stmt is not None
-    sites = canary.compared_values(canary.statement_nodes(stmt), canary.assigned_once(func))
+    sites = expectations.compared_values(expectations.statement_nodes(stmt), expectations.assigned_once(func))
     assert [(node.lineno, node.value) for node, _how in sites] == [(3, "3.4.6-rc.1")]  # type: ignore[attr-defined]
 
 

@@ -2,7 +2,7 @@
 does to frames is a finding, and the honest reads that reach nothing of the runner are not.
 
 The hook cannot be removed once installed, so each case runs in a fresh ``python3``; the grading
-container runs the same file (``legorl/grading/sandboxed/runner.py``) the same way.
+container runs the same file (``legorl/grading/sandboxed/guard.py``, imported by the runner).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from legorl.grading.sandboxed import runner
+from legorl.grading.sandboxed import guard
 
 DRIVER = """
 import json, sys
-sys.path.insert(0, {runner_dir!r})
-import runner
-guard = runner.Guard({tree!r}, {{"mod.py": None}})
+sys.path.insert(0, {package_parent!r})
+from sandboxed.guard import Guard
+guard = Guard({tree!r}, {{"mod.py": None}})
 sys.addaudithook(guard)
 sys.path.insert(0, {tree!r})
 import mod
@@ -33,7 +33,7 @@ def findings(tmp_path: Path, code: str) -> list[str]:
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "mod.py").write_text(textwrap.dedent(code))
-    driver = DRIVER.format(runner_dir=str(Path(runner.__file__).parent), tree=str(tree))
+    driver = DRIVER.format(package_parent=str(Path(guard.__file__).parent.parent), tree=str(tree))
     out = subprocess.run([sys.executable, "-I", "-c", driver], capture_output=True, text=True, timeout=60, check=True)
     return list(json.loads(out.stdout.strip().splitlines()[-1]))
 

@@ -299,6 +299,7 @@ def test_each_defence_is_what_stops_its_attack(harbor_run: Path, monkeypatch: py
         else:
             assert (row.reward, row.status) == (1.0, "graded"), (name, row.error)
     monkeypatch.setattr(harbor, "harbor_script", original)
-    monkeypatch.setattr(harbor, "JUDGE_WRAPPER", "print('{}')\n")  # no judge: /app/pytest.py is the test runner
+    # no judge: /app/pytest.py is the test runner
+    monkeypatch.setattr(harbor, "sandboxed_files", lambda *names: {f"{harbor.PACKAGE}/judge.py": "print('{}')\n"})
     row = Grader(GradeOptions()).grade(task, ATTACKS["shadow pytest"])
     assert (row.reward, row.status) == (1.0, "graded")

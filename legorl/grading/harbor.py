@@ -35,7 +35,6 @@ import secrets
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 
 from legorl.core.schemas import GradeRow, GradeStatus, Resolution, TaskRow, TestResult
 from legorl.grading.container import INFRA_SLACK_S, GradingContainers, GradingInfraError, Run
@@ -45,12 +44,16 @@ from legorl.grading.report import F2P, zero
 from legorl.grading.script import (
     APPLY_METHODS,
     APPLY_TIMEOUT_S,
+    JUDGE_TIMEOUT_S,
+    MAX_JUDGE_OUTPUT,
     MAX_TEST_OUTPUT,
+    PACKAGE,
     WORK,
     Events,
     bundle,
     patch_apply_block,
     read_events,
+    sandboxed_files,
     script_head,
 )
 from legorl.sandbox.base import SandboxSpec
@@ -58,16 +61,6 @@ from legorl.sandbox.base import SandboxSpec
 REWARD_FILES = ("reward.txt", "reward.json")  # Harbor's precedence: reward.txt first
 MAX_REWARD_BYTES = 65_536
 _UNPACK = f"tar -x -i --no-same-owner -C / -f - && exec bash {WORK}/harbor.sh"
-# The judge as SWE grading runs it, less one rule: in a Harbor WORKDIR (usually a flat folder) a new
-# module is the usual shape of a solution; one that shadows the stdlib or an installed module still goes back.
-JUDGE_WRAPPER = """import sys
-sys.path.insert(0, sys.argv[2])
-import judge
-_why = judge.Rules.why
-judge.Rules.why = lambda self, rel: None if _why(self, rel) == "new module outside any package" else _why(self, rel)
-del sys.argv[2]
-judge.main()
-"""
 _REFUSED = {"link": "a symbolic link", "hardlink": "a hard link", "special": "not a regular file",
             "readonly": "not writable by test.sh (made read-only, so that test.sh's own write failed)"}
 _WRITE_FAILED = r": line [0-9]+: (/logs/verifier/)?reward\.(txt|json): "
@@ -102,7 +95,8 @@ ev ready
 rm -rf "$D/.git"
 PY=$(command -v python3 || true)
 if [ -n "$PY" ]; then
-  J=$(cd $W && "$PY" -I $W/harbor_judge.py $W/judge.json $W 2>$W/judge.err); jc=$?
+  J=$(cd $W && timeout -k 5 {JUDGE_TIMEOUT_S} "$PY" -I $W/{PACKAGE}/judge.py $W/judge.json 2>$W/judge.err \
+    | head -c {MAX_JUDGE_OUTPUT}; exit "${{PIPESTATUS[0]}}"); jc=$?
   if [ $jc -ne 0 ]; then ev judge_failed "$(tail -c 400 $W/judge.err | base64 -w0)"; exit 0; fi
   ev judged "$(printf %s "$J" | base64 -w0)"
 fi
@@ -243,10 +237,12 @@ class HarborTests:
                                        timeout=timeout, has_patch=bool(patch.strip())),
             "patch.diff": patch,
             "tests.b64": task.hidden_tests,
-            "judge.py": resources.files("legorl.grading.sandboxed").joinpath("judge.py").read_text(),
-            "harbor_judge.py": JUDGE_WRAPPER,
+            **sandboxed_files("judge.py", "screen.py"),
+            # in a WORKDIR (usually a flat folder) a new module is the usual shape of a solution; one that
+            # shadows the stdlib or an installed module still goes back
             "judge.json": json.dumps({"tree": task.workdir, "pristine": f"{WORK}/pristine", "hidden": [],
-                                      "changes": f"{WORK}/changes.json", "gold": touched_paths(task.patch)}),
+                                      "changes": f"{WORK}/changes.json", "gold": touched_paths(task.patch),
+                                      "top_level_modules": True}),
         }
         limit = timeout + INFRA_SLACK_S + len(APPLY_METHODS) * (APPLY_TIMEOUT_S + 5)
         spec = SandboxSpec(image=self.containers.image_for(task), labels={"role": "grade", **options.labels},

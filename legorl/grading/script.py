@@ -95,13 +95,22 @@ def parse_pytest_command(command: str) -> PytestCommand | None:
     return None
 
 
-def _sandboxed(name: str) -> str:
-    return resources.files("legorl.grading.sandboxed").joinpath(name).read_text()
+SANDBOXED = resources.files("legorl.grading.sandboxed")
+# The sandboxed scripts go in as a package of this name (a name no tree under test uses), entries run
+# as files (``python3 -I $W/legorl_grading/judge.py``); the runner's part is copied to RUNNER_DIR.
+PACKAGE = "legorl_grading"
+RUNNER_FILES = ("__init__.py", "runner.py", "guard.py")
+
+
+def sandboxed_files(*names: str) -> dict[str, str]:
+    """``PACKAGE/<name>`` -> the text of these sandboxed files, the package's ``__init__.py`` among them."""
+    return {f"{PACKAGE}/{name}": SANDBOXED.joinpath(name).read_text() for name in ("__init__.py", *names)}
 
 
 # What the container runs, as a digest: part of the key of a cached gold run.
-SANDBOXED_DIGEST = hashlib.sha256((_sandboxed("judge.py") + _sandboxed("runner.py") + _sandboxed("canary.py")
-                                   + Path(__file__).read_text()).encode()).hexdigest()[:16]
+SANDBOXED_DIGEST = hashlib.sha256("".join(
+    [*(f.read_text() for f in sorted(SANDBOXED.iterdir(), key=lambda f: f.name) if f.name.endswith(".py")),
+     Path(__file__).read_text()]).encode()).hexdigest()[:16]
 
 
 def patch_apply_block(tree: str) -> str:
@@ -148,7 +157,7 @@ def grading_script(nonce: str, report_nonce: str, *, has_patch: bool, has_test_p
     pytest = parse_pytest_command(command)
     if pytest is not None:
         env = " ".join(q(e) for e in pytest.env)
-        run = (f"env {TEST_ENV} {env} {q(pytest.python)} -I {RUNNER_DIR}/runner.py {REPORT_FD} {RUNNER_DIR}/changes.json "
+        run = (f"env {TEST_ENV} {env} {q(pytest.python)} -I {RUNNER_DIR}/{PACKAGE}/runner.py {REPORT_FD} {RUNNER_DIR}/changes.json "
                + " ".join(q(a) for a in pytest.args))
         mode = "runner"
     else:
@@ -171,19 +180,20 @@ if [ -e /testbed/.git ]; then mv /testbed/.git $W/git || {{ ev infra "cannot mov
 cp -a /testbed $W/pristine && chown -R $U:$U /testbed || {{ ev infra "cannot copy the testbed"; exit 0; }}
 ev ready
 {apply_block}ev applied
-cd $W && J=$(timeout -k 5 {JUDGE_TIMEOUT_S} "$PY" -I $W/judge.py $W/judge.json 2>$W/judge.err | head -c {MAX_JUDGE_OUTPUT}; \
+cd $W && J=$(timeout -k 5 {JUDGE_TIMEOUT_S} "$PY" -I $W/{PACKAGE}/judge.py $W/judge.json 2>$W/judge.err | head -c {MAX_JUDGE_OUTPUT}; \
   exit "${{PIPESTATUS[0]}}"); jc=$?
 if [ $jc -ne 0 ]; then ev judge_failed "$(tail -c 400 $W/judge.err | base64 -w0)"; exit 0; fi
 ev judged "$(printf %s "$J" | base64 -w0)"
 cd /testbed || exit 0
-{test_patch_block}C=$(cd $W && "$PY" -I $W/canary.py $W/canary.json 2>$W/canary.err) \
+{test_patch_block}C=$(cd $W && "$PY" -I $W/{PACKAGE}/canary.py $W/canary.json 2>$W/canary.err) \
   || {{ ev canary_failed "$(tail -c 300 $W/canary.err | base64 -w0)"; exit 0; }}
 ev canaries "$(printf %s "$C" | base64 -w0)"
 if [ -d $W/git ]; then mv $W/git /testbed/.git; fi
 rm -rf $W/pristine
 chown -R 0:0 /testbed && chmod -R go-w,a+rX /testbed || {{ ev infra "cannot seal the testbed"; exit 0; }}
-mkdir -p /tmp/.legorl-home {RUNNER_DIR} && cp $W/runner.py $W/changes.json {RUNNER_DIR}/ \\
-  && chmod 755 {RUNNER_DIR} && chmod 644 {RUNNER_DIR}/runner.py {RUNNER_DIR}/changes.json \\
+rm -rf {RUNNER_DIR} && mkdir -p /tmp/.legorl-home {RUNNER_DIR}/{PACKAGE} && cp $W/changes.json {RUNNER_DIR}/ \\
+  && (cd $W/{PACKAGE} && cp {" ".join(RUNNER_FILES)} {RUNNER_DIR}/{PACKAGE}/) \\
+  && chmod 755 {RUNNER_DIR} {RUNNER_DIR}/{PACKAGE} && chmod 644 {RUNNER_DIR}/changes.json {RUNNER_DIR}/{PACKAGE}/* \\
   && chown $U:$U /tmp/.legorl-home && : > $W/report.json || {{ ev infra "cannot prepare the test run"; exit 0; }}
 ev tests_start {mode}
 echo '{START_MARKER}'
@@ -203,13 +213,18 @@ ev done
 
 
 def bundle(files: dict[str, str]) -> bytes:
-    """A tar of ``WORK/<name>`` files (WORK itself root-only), to follow the testbed on stdin."""
+    """A tar of ``WORK/<name>`` files (WORK and its folders root-only), to follow the testbed on stdin."""
     buf = io.BytesIO()
     now = int(time.time())
     with tarfile.open(fileobj=buf, mode="w") as tar:
         info = tarfile.TarInfo(WORK.lstrip("/"))
         info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o700, now
         tar.addfile(info)
+        folders = sorted({name.rsplit("/", 1)[0] for name in files if "/" in name})
+        for folder in folders:
+            info = tarfile.TarInfo(f"{WORK.lstrip('/')}/{folder}")
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o700, now
+            tar.addfile(info)
         for name, text in files.items():
             data = text.encode("utf-8", "surrogateescape")
             info = tarfile.TarInfo(f"{WORK.lstrip('/')}/{name}")
@@ -232,9 +247,7 @@ def grade_files(*, patch: str, test_patch: str, hidden: list[str], command: str,
                             command=command, timeout=timeout)
     files = {
         "script.sh": script,
-        "judge.py": _sandboxed("judge.py"),
-        "runner.py": _sandboxed("runner.py"),
-        "canary.py": _sandboxed("canary.py"),
+        **sandboxed_files("judge.py", "screen.py", "canary.py", "expectations.py", *RUNNER_FILES[1:]),
         "canary.json": json.dumps({"tree": "/testbed", "files": [h for h in hidden if h.endswith(".py")],
                                    "tests": dict(tests or {}), "candidates": list(candidates or []),
                                    "added": added_lines(test_patch),

@@ -4,7 +4,7 @@ told to assume arbitrary code in the test process).
 - ``plugin_named_json``: registers a pytest plugin through ``pytestPDB._pluginmanager`` (a class
   attribute, no audit event) whose class body says ``__module__ = "json"``, and turns failed reports
   into passes; the plugin check looked the module up by that name. Hooks are now judged by their code's
-  file (``runner.foreign_plugins``).
+  file (``guard.foreign_plugins``).
 - ``recorder_rewrite``: ``import __main__`` reaches the runner itself; replacing ``Recorder._check``
   (which ran the checks) with one that marks every status passed scored 1 on nine tasks of four
   repositories. The runner is now in its own identity snapshot, and its hooks call the checks through

@@ -22,12 +22,14 @@ This is the one place these rules live (docs/threat-model.md points here):
 - new top-level modules (outside any package: a folder without ``__init__.py`` may be on
   ``sys.path``), above all those named like a standard-library module or anything installed in
   the image (the runner, its dependencies). A fix lives in the package; a new module at the top is a
-  reproduction script, or a way around the screen below.
+  reproduction script, or a way around the screen below. With ``"top_level_modules": true`` in the
+  config (a Harbor task's WORKDIR, usually a flat folder, where a new module is the usual shape of a
+  solution) only those that shadow a module are put back.
 
 Then it screens the Python lines the patch added outside the tests for code that reaches into
-the test runner or the interpreter (:data:`SCREEN`); findings go on the grade row.
+the test runner or the interpreter (:mod:`.screen`, a tripwire); findings go on the grade row.
 
-Usage: ``python3 -I judge.py CONFIG.json`` prints one JSON object:
+Usage: ``python3 -I legorl_grading/judge.py CONFIG.json`` prints one JSON object:
 ``{"reset": [[path, why], ...], "changed": [path, ...], "suspicious": ["path:line: why: code"]}``.
 Compatible with Python 3.8+ (task images bring their own interpreter).
 """
@@ -37,12 +39,19 @@ from __future__ import annotations
 import json
 import os
 import pkgutil
-import re
 import shutil
 import stat
 import sys
 import time
-from collections import Counter
+
+if not __package__:  # python3 -I FILE (the grading container): import the files beside it as a package
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.dirname(_here))
+    __package__ = os.path.basename(_here)
+    __import__(__package__)
+    del sys.path[0]
+
+from .screen import MAX_FINDINGS, added_lines, screen
 
 RUNNER_CONFIGS = frozenset({"pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini", "setup.cfg",
                             "pyproject.toml", "conftest.py"})
@@ -54,36 +63,7 @@ NATIVE_MAGIC = (b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"\
 TEST_DIR_PREFIX = "test"  # directories named test, tests, testing, test_utils, ...
 MAX_ENTRIES = 200_000
 MAX_SCREEN_BYTES = 2_000_000
-MAX_FINDINGS = 100  # the screen is a tripwire: a few findings say as much as millions
 SCREEN_BUDGET_S = 30.0  # past this the rest of the patch is left unscreened (and says so)
-
-# (pattern, why): lines the patch added to non-test Python files that reach into the test runner
-# or the interpreter. Code that fixes a bug has no business doing any of these.
-SCREEN = [
-    (r"\b_?pytest\b|\bPYTEST_|\bpluggy\b|\bunittest\b|\bTestCase\b|\bmock\b|\bassert[A-Z]\w*\s*=",
-     "reaches into the test runner"),
-    (r"\bsys\s*\.\s*(modules|meta_path|path_hooks|path|settrace|setprofile|_getframe|excepthook|__std(out|err)__"
-     r"|exit|addaudithook|_current_frames)\b|\bfrom\s+(sys|os|gc|builtins|threading)\s+import\b"
-     r"|\bimport\s+(sys|os|gc|builtins)\s+as\b", "interpreter surgery"),
-    (r"\b(builtins|__builtins__|__subclasses__|__globals__|__code__|f_back|f_globals|f_locals|tb_frame"
-     r"|gi_frame|co_code)\b", "interpreter internals"),
-    (r"\bos\s*\.\s*(_exit|abort|kill|killpg|fork|forkpty|setsid|dup2?|write|system|exec\w*|spawn\w*|posix_spawn\w*)\b",
-     "process control"),
-    (r"\b(threading|_thread)\s*\.\s*(settrace|setprofile)\b|\bgc\s*\.\s*get_(objects|referrers|referents)\b",
-     "interpreter internals"),
-    (r"(?<![\w.])(exec|eval|compile|__import__)\b|\bimportlib\b|\b(ctypes|marshal|atexit|subprocess|signal"
-     r"|faulthandler|inspect|pickle|codecs|base64|zlib|zipimport|resolve_name|settrace|setprofile|gettrace"
-     r"|f_locals|f_globals|f_back|f_trace)\b", "dynamic code or process hooks"),
-    (r"/proc/|/dev/(mem|kmem|kmsg|tty)", "reads process internals"),
-]
-_SCREEN = [(re.compile(p), why) for p, why in SCREEN]
-# The same names, for added lines joined with all whitespace removed (``(_u\\n .TestCase)``).
-_SCREEN_JOINED = [(re.compile(p), why) for p, why in (
-    (r"_?pytest|PYTEST_|pluggy|unittest|TestCase|\.assert[A-Z]\w*=", "reaches into the test runner"),
-    (r"sys\.(modules|meta_path|path|settrace|setprofile|_getframe)|builtins|__builtins__|__subclasses__|__globals__"
-     r"|f_(back|globals|locals|trace)", "interpreter surgery"),
-    (r"(?<![\w.])(exec|eval|compile|__import__)\(|importlib|ctypes|marshal|pickle|codecs|base64", "dynamic code"),
-)]
 
 
 def scan(root: str) -> dict[str, tuple[str, int, int, int, str]]:
@@ -166,8 +146,9 @@ def module_name(name: str, kind: str) -> str | None:
 
 class Rules:
     def __init__(self, tree: str, hidden: list[str], before: dict, now: dict, pristine: str = "",
-                 gold: frozenset[str] = frozenset()) -> None:
+                 gold: frozenset[str] = frozenset(), top_level_modules: bool = False) -> None:
         self.tree, self.before, self.now = tree, before, now
+        self.top_level_modules = top_level_modules
         self.hidden = frozenset(hidden)
         self.hidden_dirs = frozenset(os.path.dirname(p) for p in hidden)
         self.protected = frozenset(d for p in hidden for d in _ancestors(p))
@@ -209,8 +190,10 @@ class Rules:
             mod = module_name(name, kind)
             if kind == "d" and not any(p.startswith(rel + "/") and p.endswith(MODULE_SUFFIXES) for p in self.now):
                 mod = None  # a folder with no Python in it imports nothing
-            if mod is not None:
-                return f"shadows the module {mod!r}" if mod in self.names else "new module outside any package"
+            if mod is not None and mod in self.names:
+                return f"shadows the module {mod!r}"
+            if mod is not None and not self.top_level_modules:
+                return "new module outside any package"
         return None
 
     @property
@@ -293,74 +276,11 @@ def restore(tree: str, pristine: str, rel: str) -> None:
         shutil.copy2(old, cur, follow_symlinks=False)
 
 
-def _source(data: bytes) -> tuple[list[str], str]:
-    """A Python file's lines as Python decodes them (its coding declaration honoured), and that coding."""
-    import io
-    import tokenize
-
-    try:
-        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-        return data.decode(encoding, "replace").splitlines(), encoding
-    except (SyntaxError, LookupError, UnicodeError):
-        return data.decode("utf-8", "replace").splitlines(), "utf-8"
-
-
-def added_lines(tree: str, pristine: str, rel: str) -> tuple[list[int], list[str], str]:
-    """The 1-based numbers and the text of the lines the patch added to one Python file, and its coding.
-
-    A line counts as added when the old file has fewer copies of it: linear in the file's size
-    (a line diff is quadratic in what a patch adds, and the patch decides how much that is).
-    """
-    new, encoding = _source(_read(os.path.join(tree, rel)))
-    old_path = os.path.join(pristine, rel)
-    old = _source(_read(old_path))[0] if os.path.isfile(old_path) and not os.path.islink(old_path) else []
-    left = Counter(old)
-    numbers: list[int] = []
-    for n, line in enumerate(new, 1):
-        if left[line] > 0:
-            left[line] -= 1
-        else:
-            numbers.append(n)
-    return numbers, new, encoding
-
-
-def screen(rel: str, numbers: list[int], lines: list[str], encoding: str) -> list[str]:
-    """Findings in the lines the patch added to one Python file.
-
-    Each added line is read alone, and each run of consecutive added lines joined with all
-    whitespace and line continuations removed (so a name split across lines is still seen).
-    """
-    out = []
-    if encoding.lower().replace("_", "-") not in ("utf-8", "utf-8-sig", "ascii", "us-ascii", "latin-1", "iso-8859-1"):
-        out.append(f"{rel}:1: source encoding {encoding!r} (code no reader sees as written)")
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and runs[-1][-1] == n - 1:
-            runs[-1].append(n)
-        else:
-            runs.append([n])
-    for run in runs:
-        if len(out) >= MAX_FINDINGS:
-            break
-        texts = [lines[n - 1] for n in run]
-        code = [t.split("#", 1)[0] if t.lstrip().startswith("#") else t for t in texts]
-        joined = re.sub(r"\\\n|\s+", "", "\n".join(code))
-        for i, n in enumerate(run):
-            text, line = texts[i], code[i]
-            why = next((w for pattern, w in _SCREEN if pattern.search(line)), None)
-            if why:
-                out.append(f"{rel}:{n}: {why}: {text.strip()[:200]}")
-        if not any(f.startswith(f"{rel}:{n}:") for f in out[-len(run):] for n in run):
-            why = next((w for pattern, w in _SCREEN_JOINED if pattern.search(joined)), None)
-            if why:
-                out.append(f"{rel}:{run[0]}: {why} (across lines): {joined[:200]}")
-    return out
-
-
-def judge(tree: str, pristine: str, hidden: list[str], gold: list[str] | None = None) -> dict:
+def judge(tree: str, pristine: str, hidden: list[str], gold: list[str] | None = None,
+          top_level_modules: bool = False) -> dict:
     before, now = scan(pristine), scan(tree)
     changed = changed_paths(tree, pristine, now, before)
-    rules = Rules(tree, hidden, before, now, pristine, frozenset(gold or ()))
+    rules = Rules(tree, hidden, before, now, pristine, frozenset(gold or ()), top_level_modules)
     reset: list[list[str]] = []
     done: list[str] = []
     for rel in changed:  # sorted: a folder comes before what is in it
@@ -389,7 +309,9 @@ def judge(tree: str, pristine: str, hidden: list[str], gold: list[str] | None = 
         if time.monotonic() > deadline or len(suspicious) >= MAX_FINDINGS:
             added[rel] = None  # unscreened: every line counts as the patch's for the runner's tripwire
             continue
-        numbers, lines, encoding = added_lines(tree, pristine, rel)
+        old = os.path.join(pristine, rel)
+        numbers, lines, encoding = added_lines(_read(os.path.join(tree, rel)),
+                                               _read(old) if os.path.isfile(old) and not os.path.islink(old) else None)
         added[rel] = numbers
         suspicious += screen(rel, numbers, lines, encoding)
     if len(suspicious) > MAX_FINDINGS:
@@ -400,7 +322,8 @@ def judge(tree: str, pristine: str, hidden: list[str], gold: list[str] | None = 
 def main() -> None:
     with open(sys.argv[1]) as f:
         config = json.load(f)
-    result = judge(config["tree"], config["pristine"], config["hidden"], config.get("gold"))
+    result = judge(config["tree"], config["pristine"], config["hidden"], config.get("gold"),
+                   bool(config.get("top_level_modules")))
     with open(config["changes"], "w") as f:  # the runner's view of which code is the patch's
         json.dump(result["added"], f)
     sys.stdout.write(json.dumps({k: v for k, v in result.items() if k != "added"}) + "\n")
