@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,16 @@ def base_image() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return name
+
+
+@pytest.fixture(scope="session")
+def image() -> str:
+    """The sandbox base image, built (about a minute, offline) when this host has none yet; skips where
+    podman is not installed. The sandbox tests' image: unlike :func:`base_image`, they build it."""
+    from legorl.sandbox.host import base_image, ensure_base_image
+
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed (legorl setup installs it)")
+    step = ensure_base_image()
+    assert step.status in ("ok", "fixed"), step.detail
+    return base_image()

@@ -9,11 +9,12 @@ import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import pytest
 import typer
 import yaml
+from toy_configs import Grading, SampleFields
 from typer.testing import CliRunner
 
 from legorl.cli.app import app as legorl_app
@@ -44,28 +45,12 @@ def _ints(text: str) -> list[int]:
 
 
 @dataclass
-class Sample:
-    run: Path = field(metadata={"help": "Run directory."})
-    samples: int = field(default=1, metadata={"help": "Trials per task."})
-    temperature: float | None = field(default=1.0, metadata={"help": "Sampling temperature."})
-    loss: Literal["grpo", "gspo"] = field(default="grpo", metadata={"help": "Policy loss."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "Learning rate.", "aliases": ["--lr"]})
-    names: list[str] = field(default_factory=lambda: ["a", "b"], metadata={"help": "Names, comma-separated."})
+class Sample(SampleFields):
     part: Part | None = field(default=None, metadata={"help": "i/n.", "parse": Part.parse})
     ks: list[int] | None = field(default=None, metadata={"help": "k values.", "parse": _ints})
     label: str | None = field(default=None, metadata={"help": "A label."})
     keep: bool = field(default=False, metadata={"help": "Keep things."})
     internal: int = 7  # no help: neither an option nor a key
-
-    def __post_init__(self) -> None:
-        if self.samples < 1:
-            raise ConfigError(f"--samples must be >= 1 (got {self.samples})")
-
-
-@dataclass
-class Grading:
-    timeout: float = field(default=600.0, metadata={"help": "Seconds the hidden tests may run."})
-    samples: int = field(default=3, metadata={"help": "Reruns."})
 
 
 def _app() -> tuple[typer.Typer, list[dict[str, Any]]]:

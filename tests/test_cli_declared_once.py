@@ -146,9 +146,9 @@ def test_an_unset_temperature_is_each_commands_own() -> None:
     """One default (unset), read by each command as its help says."""
     rollout = RolloutConfig(run=Path("r"), harnesses=["simple"])
     assert rollout.temperature == 1.0  # the trials' fingerprint is unchanged for a run started before
-    assert EvalSettings(run=Path("r"), harnesses=["simple"]).effective_temperature == 0.0
-    assert EvalSettings(run=Path("r"), harnesses=["simple"], samples=3).effective_temperature == 1.0
-    assert EvalSettings(run=Path("r"), harnesses=["simple"], temperature=0.5).effective_temperature == 0.5
+    assert EvalSettings(run=Path("r"), harnesses=["simple"]).temperature == 0.0
+    assert EvalSettings(run=Path("r"), harnesses=["simple"], samples=3).temperature == 1.0
+    assert EvalSettings(run=Path("r"), harnesses=["simple"], temperature=0.5).temperature == 0.5
     assert TrainOptions().temperature is None  # the trainer takes the recorded one
     assert ProxySampling().temperature is None  # serve-proxy: as each request asks
     builds: list[Callable[[], object]] = [lambda: TrialOptions(harnesses=["simple"], temperature=-1.0),

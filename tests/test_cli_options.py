@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import pytest
 import typer
+from toy_configs import Grading, SampleFields
 from typer.testing import CliRunner
 
 from legorl.cli.options import ConfigOptions, with_configs
@@ -19,26 +19,10 @@ def _upper(text: str) -> list[str]:
 
 
 @dataclass
-class Sample:
-    run: Path = field(metadata={"help": "Run directory."})
-    samples: int = field(default=1, metadata={"help": "Trials per task."})
-    temperature: float | None = field(default=1.0, metadata={"help": "Sampling temperature."})
-    loss: Literal["grpo", "gspo"] = field(default="grpo", metadata={"help": "Policy loss."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "Learning rate.", "aliases": ["--lr"]})
-    names: list[str] = field(default_factory=lambda: ["a", "b"], metadata={"help": "Names, comma-separated."})
+class Sample(SampleFields):
     shouted: list[str] = field(default_factory=list, metadata={"help": "Plus-separated.", "parse": _upper})
     keep: bool = field(default=False, metadata={"help": "Keep things."})
     internal: int = 7  # no help: not an option
-
-    def __post_init__(self) -> None:
-        if self.samples < 1:
-            raise ConfigError(f"--samples must be >= 1 (got {self.samples})")
-
-
-@dataclass
-class Grading:
-    timeout: float = field(default=600.0, metadata={"help": "Seconds the hidden tests may run."})
-    samples: int = field(default=3, metadata={"help": "Clashes with Sample.samples without a prefix."})
 
 
 def _app(**configs: ConfigOptions) -> tuple[typer.Typer, list[dict[str, object]]]:

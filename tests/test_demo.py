@@ -13,9 +13,9 @@ import pytest
 
 from legorl.core import metric_keys as mk
 from legorl.core import shards
-from legorl.core.schemas import Kind
-from legorl.demo.sft import FINAL_ANSWER, batch_loss, conversation, examples, render
-from legorl.demo.taskgen import KINDS, generate, write_task_set
+from legorl.core.schemas import GradeRow, Kind, TrialRow
+from legorl.demo.sft import FINAL_ANSWER, Example, batch_loss, conversation, examples, render
+from legorl.demo.taskgen import KINDS, DemoTask, generate, write_task_set
 
 
 def test_task_family_is_deterministic_and_varied() -> None:
@@ -118,6 +118,34 @@ def test_shared_prefix_loss_equals_a_full_forward(tiny_model: Path) -> None:
         assert p.grad is not None and torch.allclose(g, p.grad, atol=1e-6)
 
 
+def _one_task_run(tmp_path: Path) -> tuple[Path, DemoTask]:
+    """A run directory holding one demo task (seed 3), and that task."""
+    from legorl.stages.tasks import import_stage
+
+    run = tmp_path / "run"
+    import_stage(str(write_task_set(tmp_path / "set", 1, seed=3)), run / "tasks")
+    return run, generate(1, seed=3)[0]
+
+
+def _graded(run: Path) -> tuple[list[GradeRow], int]:
+    """The run's trials graded by the real grader: the grades, and how many trials were infrastructure
+    failures (never graded)."""
+    from legorl.grading.grader import GradeOptions
+    from legorl.stages.grade import grade_stage, rollout_jobs
+
+    jobs, infra = rollout_jobs(run / "rollouts")
+    return grade_stage(run / "tasks", run / "grades", jobs, GradeOptions(concurrency=2, test_timeout=60)).rows, infra
+
+
+def _assert_holds_the_warmup(row: TrialRow, expected: Example) -> None:
+    """The trial's one segment is the warm-up's tokens and loss mask, up to where it stopped (at most the
+    warm-up's last token short)."""
+    (segment,) = row.segments
+    n = len(segment.token_ids)
+    assert segment.token_ids == expected.token_ids[:n] and n >= len(expected.token_ids) - 1
+    assert [int(m) for m in segment.loss_mask] == expected.loss_mask[:n]
+
+
 @pytest.mark.podman
 @pytest.mark.slow
 def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_tokens(tmp_path: Path,
@@ -128,16 +156,11 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
     from transformers import AutoTokenizer
 
     from legorl.engines.scripted import ScriptedCall, ScriptedEngine
-    from legorl.grading.grader import GradeOptions
     from legorl.proxy.clients import InProcessProxy
-    from legorl.stages.grade import grade_stage, rollout_jobs
     from legorl.stages.rollout import RolloutConfig, rollout_stage
-    from legorl.stages.tasks import import_stage
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    run = tmp_path / "run"
-    import_stage(str(write_task_set(tmp_path / "set", 1, seed=3)), run / "tasks")
-    task = generate(1, seed=3)[0]
+    run, task = _one_task_run(tmp_path)
     wrong = f"sed -i 's/return a/return b/' {task.filename}"  # breaks both functions: graded, reward 0
 
     def reply(call: ScriptedCall) -> str:
@@ -151,17 +174,13 @@ def test_simple_driver_through_proxy_gets_graded_reward_and_matches_warmup_token
         summary = rollout_stage(RolloutConfig(run=run, harnesses=["simple"], samples=2, max_turns=3, concurrency=1,
                                               timeout_s=120), proxy)
     assert summary.outcomes == {"submitted": 2}
-    jobs, infra = rollout_jobs(run / "rollouts")
-    grades = grade_stage(run / "tasks", run / "grades", jobs, GradeOptions(concurrency=2, test_timeout=60))
-    rewards = sorted(g.reward for g in grades.rows if g.reward is not None)
+    grades, infra = _graded(run)
+    rewards = sorted(g.reward for g in grades if g.reward is not None)
     assert infra == 0 and rewards == [0.0, 1.0]
 
     rows = {r.sample_index: r for r in shards.read_rows(run / "rollouts", Kind.ROLLOUTS)}
     expected = render(tok, conversation(task))
-    (segment,) = rows[0].segments
-    n = len(segment.token_ids)
-    assert segment.token_ids == expected.token_ids[:n] and n >= len(expected.token_ids) - 1
-    assert [int(m) for m in segment.loss_mask] == expected.loss_mask[:n]
+    _assert_holds_the_warmup(rows[0], expected)
 
 
 @pytest.mark.podman
@@ -176,18 +195,13 @@ def test_mini_swe_agent_with_the_demo_config_holds_the_warmup_conversation(tmp_p
 
     from legorl.demo.sft import SUBMIT, mini_swe_agent_format
     from legorl.engines.scripted import ScriptedCall, ScriptedEngine
-    from legorl.grading.grader import GradeOptions
     from legorl.proxy.clients import InProcessProxy
-    from legorl.stages.grade import grade_stage, rollout_jobs
     from legorl.stages.rollout import RolloutConfig, rollout_stage
-    from legorl.stages.tasks import import_stage
 
     config = Path(__file__).resolve().parents[1] / "examples" / "cpu-demo" / "mini-swe-agent.yaml"
     fmt = mini_swe_agent_format(config)
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    run = tmp_path / "run"
-    import_stage(str(write_task_set(tmp_path / "set", 1, seed=3)), run / "tasks")
-    task = generate(1, seed=3)[0]
+    run, task = _one_task_run(tmp_path)
 
     def reply(call: ScriptedCall) -> str:
         command = task.fix_command if call.index < 1 else task.reversed_command  # samples run one after the other
@@ -198,18 +212,14 @@ def test_mini_swe_agent_with_the_demo_config_holds_the_warmup_conversation(tmp_p
         summary = rollout_stage(RolloutConfig(run=run, harnesses=["mini-swe-agent"], harness_config=config,
                                               samples=2, max_turns=2, concurrency=1, timeout_s=180), proxy)
     assert summary.outcomes == {"submitted": 2}
-    jobs, infra = rollout_jobs(run / "rollouts")
-    grades = grade_stage(run / "tasks", run / "grades", jobs, GradeOptions(concurrency=2, test_timeout=60))
-    by_trial = {g.trial_id: g.reward for g in grades.rows}
+    grades, infra = _graded(run)
+    by_trial = {g.trial_id: g.reward for g in grades}
     rows = {r.sample_index: r for r in shards.read_rows(run / "rollouts", Kind.ROLLOUTS)}
     assert infra == 0 and by_trial[rows[0].trial_id] == 1.0 and by_trial[rows[1].trial_id] == 0.0
     assert all(len(r.calls) == 1 for r in rows.values())
 
     expected = render(tok, fmt.conversation(task), fmt.tools)
-    (segment,) = rows[0].segments
-    n = len(segment.token_ids)
-    assert segment.token_ids == expected.token_ids[:n] and n >= len(expected.token_ids) - 1
-    assert [int(m) for m in segment.loss_mask] == expected.loss_mask[:n]
+    _assert_holds_the_warmup(rows[0], expected)
 
 
 @pytest.mark.podman

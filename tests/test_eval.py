@@ -124,8 +124,8 @@ def test_parse_ks_and_settings_errors() -> None:
         with pytest.raises(LegorlError, match="--ks"):
             evaluation.parse_ks(bad)
     s = evaluation.EvalSettings(run=Path("r"), harnesses=["mini-swe-agent"])
-    assert s.effective_temperature == 0.0  # one sample: greedy
-    assert evaluation.EvalSettings(run=Path("r"), harnesses=["x"], samples=3).effective_temperature == 1.0
+    assert s.temperature == 0.0  # one sample: greedy
+    assert evaluation.EvalSettings(run=Path("r"), harnesses=["x"], samples=3).temperature == 1.0
     bad_options: list[dict[str, Any]] = [{"samples": 0}, {"limit": 0}, {"temperature": -1.0}, {"harnesses": []}]
     for kw in bad_options:
         with pytest.raises(LegorlError):

@@ -45,7 +45,9 @@ def _proc(exit_code: int | None = 0, timed_out: bool = False, log: str = "") -> 
     return ProcResult(exit_code, timed_out, 1.0, log)
 
 
-def _binary() -> str:
+@pytest.fixture
+def codex_binary() -> str:
+    """The installed Codex binary; the test skips where it is not installed."""
     inst = installed("codex")
     if inst is None or not inst.binary:
         pytest.skip("codex is not installed (legorl harness install codex)")
@@ -150,10 +152,9 @@ def test_end_detail_and_outcomes(tmp_path: Path) -> None:
 
 
 @pytest.mark.harness
-def test_pinned_codex_accepts_the_config_and_sends_responses_requests(tmp_path: Path) -> None:
+def test_pinned_codex_accepts_the_config_and_sends_responses_requests(tmp_path: Path, codex_binary: str) -> None:
     """What Codex 0.171 sends (the proxy's Responses endpoint must take it), run on the host
     against the recorder: strict config accepted, streamed stateless requests, function tools."""
-    binary = _binary()
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "a.py").write_text("x = 1\n")
@@ -165,7 +166,7 @@ def test_pinned_codex_accepts_the_config_and_sends_responses_requests(tmp_path: 
         launch = Codex().launch(_spec(openai_base_url=url + "/sess/s1/v1", problem_statement="--fix a.py -h",
                                       workdir=str(repo)), paths, sandbox=None)  # type: ignore[arg-type]
         env = launch.env | {"PATH": os.environ["PATH"]}
-        argv = [binary, *launch.argv[1:]]
+        argv = [codex_binary, *launch.argv[1:]]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -193,7 +194,7 @@ def test_pinned_codex_accepts_the_config_and_sends_responses_requests(tmp_path: 
 @pytest.mark.podman
 @pytest.mark.harness
 @pytest.mark.slow
-def test_scripted_fix_in_the_sandbox_grades_to_one(base_image: str, tmp_path: Path) -> None:
+def test_scripted_fix_in_the_sandbox_grades_to_one(base_image: str, tmp_path: Path, codex_binary: str) -> None:
     """Codex in a no-network trial container, reaching its channel's socket through the relay,
     applies a fix with its own tool; the sandbox's diff grades 1."""
     from legorl.grading.grader import GradeOptions, Grader
@@ -202,7 +203,6 @@ def test_scripted_fix_in_the_sandbox_grades_to_one(base_image: str, tmp_path: Pa
     from legorl.sandbox.podman import PodmanBackend
     from legorl.trials.lifecycle import TrialRunner, image_for
 
-    _binary()
     run = tmp_path / "run"
     task = import_one(run, tmp_path)
     harness = Codex()
@@ -243,11 +243,11 @@ def _codex_rollout(engine: object, model: Path, run: Path, **kw: object) -> list
 @pytest.mark.podman
 @pytest.mark.harness
 @pytest.mark.slow
-def test_scripted_fix_through_the_proxy_grades_to_one(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
+def test_scripted_fix_through_the_proxy_grades_to_one(tiny_model: Path, base_image: str, tmp_path: Path,
+                                                       codex_binary: str) -> None:
     from legorl.engines.scripted import ScriptedEngine
     from legorl.stages.grade import grade_stage, rollout_jobs
 
-    _binary()
     run = tmp_path / "run"
     task = import_one(run, tmp_path)
     turns = [tool_call("exec_command", {"cmd": fix_command(task)}), "Fixed."]
@@ -263,10 +263,10 @@ def test_scripted_fix_through_the_proxy_grades_to_one(tiny_model: Path, base_ima
 @pytest.mark.podman
 @pytest.mark.harness
 @pytest.mark.slow
-def test_tiny_model_trial_yields_sampled_tokens(tiny_model: Path, base_image: str, tmp_path: Path) -> None:
+def test_tiny_model_trial_yields_sampled_tokens(tiny_model: Path, base_image: str, tmp_path: Path,
+                                                codex_binary: str) -> None:
     from legorl.engines.embedded import EmbeddedEngine
 
-    _binary()
     run = tmp_path / "run"
     import_one(run, tmp_path)
     engine = EmbeddedEngine(tiny_model, max_batch=2)

@@ -182,31 +182,35 @@ def test_installing_debian_tools_needs_apt(tmp_path: Path, monkeypatch: pytest.M
         _install_debian_tools(RECIPES[NAME], tmp_path, tmp_path / "install.log")
 
 
-@pytest.mark.harness
-def test_the_installed_tmux_finds_its_own_libraries() -> None:
+@pytest.fixture
+def terminus_install() -> Installation:
+    """Terminus-2's installation; the test skips where it is not installed."""
     inst = installed(NAME)
     if inst is None:
         pytest.skip(f"{NAME} is not installed (legorl harness install {NAME})")
-    tmux = Path(inst.extra["tools_path"]) / "tmux"
-    assert tmux.resolve().is_relative_to(inst.path)  # mounted with the install
+    return inst
+
+
+@pytest.mark.harness
+def test_the_installed_tmux_finds_its_own_libraries(terminus_install: Installation) -> None:
+    tmux = Path(terminus_install.extra["tools_path"]) / "tmux"
+    assert tmux.resolve().is_relative_to(terminus_install.path)  # mounted with the install
     env = {"PATH": "/usr/bin:/bin"}  # no LD_LIBRARY_PATH: the rpath finds them
     libs = subprocess.run(["ldd", str(tmux)], capture_output=True, text=True, env=env, check=True).stdout
-    assert f"libevent_core-2.1.so.7 => {inst.root}" in libs
-    assert "libc.so.6 => /" in libs and f"libc.so.6 => {inst.root}" not in libs  # the image's C library
+    assert f"libevent_core-2.1.so.7 => {terminus_install.root}" in libs
+    assert "libc.so.6 => /" in libs and f"libc.so.6 => {terminus_install.root}" not in libs  # the image's C library
     version = subprocess.run([str(tmux), "-V"], capture_output=True, text=True, env=env, check=True).stdout
     assert version.startswith("tmux 3.")
 
 
 @pytest.mark.harness
-def test_its_container_has_no_network_and_mounts_the_install_read_only(tmp_path: Path) -> None:
+def test_its_container_has_no_network_and_mounts_the_install_read_only(tmp_path: Path,
+                                                                       terminus_install: Installation) -> None:
     from legorl.harnesses import get
     from legorl.harnesses.channel import CONTAINER_DIR, ProxyChannel
     from legorl.sandbox.podman import PodmanBackend
     from legorl.trials.lifecycle import TrialJob, TrialRunner
 
-    inst = installed(NAME)
-    if inst is None:
-        pytest.skip(f"{NAME} is not installed (legorl harness install {NAME})")
     run = tmp_path / "run"
     import_one(run, tmp_path)
     [task] = shards.read_rows(run / "tasks", Kind.TASKS)
@@ -221,7 +225,7 @@ def test_its_container_has_no_network_and_mounts_the_install_read_only(tmp_path:
     assert not any(a.startswith(("--net=", "--network=", "--add-host", "--dns")) or "slirp" in a for a in args)
     assert f"{channel.host_dir}:{CONTAINER_DIR}:ro,nodev,nosuid" in args
     assert args[-len(channel.command):] == list(channel.command)  # the relay is the main process
-    for path in (inst.root, inst.base_prefix):
+    for path in (terminus_install.root, terminus_install.base_prefix):
         assert any(a.startswith(f"{path}:{path}:ro") for a in args), path
 
 
@@ -254,9 +258,8 @@ def _trial(tmp_path: Path, tiny_model: Path, replies: Callable[[TaskRow], list[s
 @pytest.mark.harness
 @pytest.mark.slow
 def test_terminus_fixes_the_task_in_its_tmux_session_and_confirms(tiny_model: Path, base_image: str,
-                                                                  tmp_path: Path) -> None:
-    if installed(NAME) is None:
-        pytest.skip(f"{NAME} is not installed (legorl harness install {NAME})")
+                                                                  tmp_path: Path,
+                                                                  terminus_install: Installation) -> None:
     def replies(task: TaskRow) -> list[str]:
         fix = base64.b64encode((task.patch or "").encode()).decode()
         return [
@@ -280,9 +283,7 @@ def test_terminus_fixes_the_task_in_its_tmux_session_and_confirms(tiny_model: Pa
 @pytest.mark.harness
 @pytest.mark.slow
 def test_exiting_its_shell_ends_the_trial_without_a_submission(tiny_model: Path, base_image: str,
-                                                              tmp_path: Path) -> None:
-    if installed(NAME) is None:
-        pytest.skip(f"{NAME} is not installed (legorl harness install {NAME})")
+                                                              tmp_path: Path, terminus_install: Installation) -> None:
     _task, row, trial_dir = _trial(tmp_path, tiny_model, lambda task: [_reply([("exit\n", 1.0)])])
     assert json.loads((trial_dir / "result.json").read_text())["end"] == "session_ended"
     assert row.outcome == Outcome.NO_SUBMISSION and not row.patch, row.error
@@ -303,9 +304,8 @@ class _NoTmux(Terminus2):
 @pytest.mark.harness
 @pytest.mark.slow
 def test_a_container_without_tmux_is_a_clear_infrastructure_error(tiny_model: Path, base_image: str, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    if installed(NAME) is None:
-        pytest.skip(f"{NAME} is not installed (legorl harness install {NAME})")
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   terminus_install: Installation) -> None:
     monkeypatch.setitem(HARNESSES, NAME, _NoTmux)
     _task, row, _dir = _trial(tmp_path, tiny_model, lambda task: [_reply([])])
     assert row.outcome == Outcome.INFRA_ERROR and row.infra_failure

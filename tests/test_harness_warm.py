@@ -99,6 +99,16 @@ _SPAWNER = """
     time.sleep(300)
 """
 
+# A trial that starts a child and writes both pids to the file named by its argument, then sleeps.
+_SLEEPER = """
+    import os, subprocess, sys, time
+    child = subprocess.Popen(["sleep", "300"])
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}\\n")
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(300)
+"""
+
 
 @pytest.mark.heavy
 def test_timeout_kills_the_forked_trial_and_all_its_descendants(tmp_path: Path) -> None:
@@ -117,14 +127,7 @@ def test_timeout_kills_the_forked_trial_and_all_its_descendants(tmp_path: Path) 
 
 
 def test_a_forked_trial_dies_with_its_connection(tmp_path: Path) -> None:
-    script = _script(tmp_path, "sleeper.py", """
-        import os, subprocess, sys, time
-        child = subprocess.Popen(["sleep", "300"])
-        with open(sys.argv[1] + ".tmp", "w") as f:
-            f.write(f"{os.getpid()} {child.pid}\\n")
-        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
-        time.sleep(300)
-    """)
+    script = _script(tmp_path, "sleeper.py", _SLEEPER)
     pids_file = tmp_path / "pids"
     env = _env(tmp_path)
     server = warm.server_for(PY, ("json",), env, tmp_path, RUN_MARKER, wait_s=60.0)
@@ -138,14 +141,7 @@ def test_a_forked_trial_dies_with_its_connection(tmp_path: Path) -> None:
 
 
 def test_a_server_killed_under_a_trial_is_legorls_failure_and_takes_the_trial(tmp_path: Path) -> None:
-    script = _script(tmp_path, "sleeper.py", """
-        import os, subprocess, sys, time
-        child = subprocess.Popen(["sleep", "300"])
-        with open(sys.argv[1] + ".tmp", "w") as f:
-            f.write(f"{os.getpid()} {child.pid}\\n")
-        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
-        time.sleep(300)
-    """)
+    script = _script(tmp_path, "sleeper.py", _SLEEPER)
     pids_file = tmp_path / "pids"
     failed: list[BaseException] = []
 
@@ -240,14 +236,7 @@ def test_concurrent_forked_trials_share_no_state(tmp_path: Path) -> None:
 
 
 def test_the_server_dies_with_its_parent(tmp_path: Path) -> None:
-    script = _script(tmp_path, "sleeper.py", """
-        import os, subprocess, sys, time
-        child = subprocess.Popen(["sleep", "300"])
-        with open(sys.argv[1] + ".tmp", "w") as f:
-            f.write(f"{os.getpid()} {child.pid}\\n")
-        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
-        time.sleep(300)
-    """)
+    script = _script(tmp_path, "sleeper.py", _SLEEPER)
     pids_file = tmp_path / "pids"
     parent = _script(tmp_path, "parent.py", f"""
         import os, sys, threading, time

@@ -17,17 +17,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from train_support import TrialSpec, run_fixture
+from train_support import TWO_GROUPS_ONE_FORK as SPECS
+from train_support import first_batch_trainer, run_fixture, token_logps
 
 from legorl.core import metric_keys as mk
 from legorl.core import shards
 from legorl.core.errors import ConfigError
 from legorl.core.paths import RunDir
 from legorl.core.schemas import Kind, trial_key
-from legorl.stages.train import _build_trainer, prepare
-from legorl.training.batching import make_batches
 from legorl.training.config import TrainConfig
-from legorl.training.data import load_step
 from legorl.training.importance import importance_weights, value_tokens, weight_stats, weight_stats_by_lag
 
 # Three rows of sampled tokens (mask 1) of different lengths, their log ratios log pi_old - log mu.
@@ -145,23 +143,7 @@ def test_the_options_are_on_the_command_line() -> None:
 
 # ------------------------------------------------------------------ through the real trainer
 
-SPECS = [
-    TrialSpec("t1", 0, 1.0, segments=2),
-    TrialSpec("t1", 1, 0.0),
-    TrialSpec("t1", 2, 0.0),
-    TrialSpec("t1", 3, 1.0),
-    TrialSpec("t2", 0, 0.0),
-    TrialSpec("t2", 1, 0.5),
-    TrialSpec("t2", 2, 1.0),
-]
 noisy_run = run_fixture(SPECS, logprob_noise=0.3)
-
-
-def _token_logps(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """log p(ids[t] | ids[:t]) for t >= 1 (0 at t = 0), float64, from a plain forward (with gradient)."""
-    logits = model(input_ids=torch.tensor([ids])).logits[0].double()
-    lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return torch.cat([torch.zeros(1, dtype=torch.float64), lp])
 
 
 def _kept(level: str, log_ratio: list[float], cap: float, lower: float) -> list[float]:
@@ -179,13 +161,9 @@ def test_the_trainer_gives_masked_tokens_no_gradient(
     eps = 0.05
     config = TrainConfig(loss=loss, importance_sampling=level, is_mode="mask", is_cap=cap,  # type: ignore[arg-type]
                          epsilon=eps)
-    data = load_step(noisy_run)
-    prepare(data, config)
-    batch = make_batches(data, None, seed=0)[0]
-    trainer = _build_trainer(tiny_model, tmp_path / "out", data, [batch], config, None, [])
+    trainer, data, batch = first_batch_trainer(noisy_run, tiny_model, tmp_path / "out", config)
     trainer.current_gradient_accumulation_steps = 1
     model = trainer.model
-    model.train()
 
     # The reference: the shards and a plain forward, not the trainer.
     raw = {row.trial_id: row for row in shards.read_rows(noisy_run.rollouts, Kind.ROLLOUTS)}
@@ -193,7 +171,7 @@ def test_the_trainer_gives_masked_tokens_no_gradient(
     seqs = [data.sequences[i] for i in batch]
     segs = [raw[s.trial_id].segments[s.segment_index] for s in seqs]
     with torch.no_grad():
-        old = [_token_logps(model, list(s.token_ids)) for s in segs]
+        old = [token_logps(model, list(s.token_ids)) for s in segs]
     weights: list[list[float]] = []  # per segment, per position: 0 where not sampled
     for s, lp_old in zip(segs, old, strict=True):
         at = [t for t, m in enumerate(s.loss_mask) if m]
@@ -241,7 +219,7 @@ def test_the_trainer_gives_masked_tokens_no_gradient(
         n = float(m.sum())
         share = n / sampled[s.trial_id] if loss == "grpo" else 1.0  # a trial counts once (grpo)
         a = advantage * share * torch.tensor(w, dtype=torch.float64)
-        ratio = torch.exp(_token_logps(model, list(seg.token_ids)) - lp_old)
+        ratio = torch.exp(token_logps(model, list(seg.token_ids)) - lp_old)
         per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps) * a)
         seq_losses.append((per_token * m).sum() / n)
         token_sum = token_sum + (per_token * m).sum()
@@ -259,11 +237,7 @@ def test_the_trainer_gives_masked_tokens_no_gradient(
 
 def _one_update(run: RunDir, model: Path, out: Path, **options: Any) -> dict[str, float]:
     config = TrainConfig(learning_rate=1e-4, micro_batches=2, **options)
-    data = load_step(run)
-    prepare(data, config)
-    batch = make_batches(data, None, seed=0)[0]
-    trainer = _build_trainer(model, out, data, [batch], config, None, [])
-    trainer.model.train()
+    trainer, _, batch = first_batch_trainer(run, model, out, config)
     trainer.current_gradient_accumulation_steps = trainer.steps_per_generation
     rows = [{"seq": i} for i in batch]
     for _ in range(trainer.steps_per_generation):

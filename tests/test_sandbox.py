@@ -18,21 +18,11 @@ from legorl.sandbox import (
     PodmanSandbox,
     SandboxError,
     SandboxSpec,
-    base_image,
     install_testbed,
 )
-from legorl.sandbox.host import ensure_base_image, run_podman
+from legorl.sandbox.host import run_podman
 
 pytestmark = pytest.mark.podman
-
-
-@pytest.fixture(scope="session")
-def image() -> str:
-    if shutil.which("podman") is None:
-        pytest.skip("podman is not installed (legorl setup installs it)")
-    step = ensure_base_image()  # builds it (about a minute, offline) when this host has none yet
-    assert step.status in ("ok", "fixed"), step.detail
-    return base_image()
 
 
 @pytest.fixture

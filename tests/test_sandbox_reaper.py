@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from legorl.sandbox import PodmanBackend, SandboxSpec, base_image, reap
-from legorl.sandbox.host import ensure_base_image, run_podman
+from legorl.sandbox import PodmanBackend, SandboxSpec, reap
+from legorl.sandbox.host import run_podman
 from legorl.sandbox.reaper import owner_labels, stale
 
 OWNER = """
@@ -25,14 +24,6 @@ assert box.exec("true").exit_code == 0  # the API service is up
 print(box.name, flush=True)
 time.sleep(600)
 """
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    if shutil.which("podman") is None:
-        pytest.skip("podman is not installed")
-    assert ensure_base_image().status in ("ok", "fixed")
-    return base_image()
 
 
 def exists(name: str) -> bool:

@@ -15,7 +15,8 @@ import pytest
 from legorl.core.schemas import GradeStatus, TaskRow
 from legorl.sandbox.base import SandboxSpec
 from legorl.sandbox.host import run_podman
-from legorl.sandbox.podman import PodmanBackend, live_sandboxes
+from legorl.sandbox.live import live_sandboxes
+from legorl.sandbox.podman import PodmanBackend
 
 pytestmark = pytest.mark.podman
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +13,9 @@ from legorl.sandbox import (
     PodmanBackend,
     PodmanSandbox,
     SandboxSpec,
-    base_image,
     install_testbed,
     strip_history,
 )
-from legorl.sandbox.host import ensure_base_image
 from legorl.sandbox.testbed import TestbedError, prepare_repo
 
 FIX = "return a + b  # THE-FIX-MARKER"
@@ -75,14 +72,6 @@ def assert_no_fix(box: PodmanSandbox, fix: str, fix_blob: str) -> None:
                     "| awk '$2==\"blob\"{print $1}' | git cat-file --batch | grep -c THE-FIX-MARKER || true")
     assert scan.output.strip() == "0"
     assert box.exec("grep -r THE-FIX-MARKER /testbed || true").output == ""
-
-
-@pytest.fixture(scope="session")
-def image() -> str:
-    if shutil.which("podman") is None:
-        pytest.skip("podman is not installed")
-    assert ensure_base_image().status in ("ok", "fixed")
-    return base_image()
 
 
 @pytest.fixture(autouse=True)

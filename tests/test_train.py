@@ -9,41 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_support import TrialSpec, make_run, run_fixture
+from train_support import TWO_GROUPS_ONE_FORK as SPECS
+from train_support import TrialSpec, first_batch_trainer, make_run, run_fixture, token_logps
 
 from legorl.core import metric_keys as mk
 from legorl.core import shards
 from legorl.core.errors import LegorlError
 from legorl.core.paths import Checkpoints, RunDir
 from legorl.core.schemas import Kind
-from legorl.stages.train import _build_trainer, prepare, run_train
-from legorl.training.batching import make_batches
+from legorl.stages.train import prepare, run_train
 from legorl.training.config import TrainConfig
 from legorl.training.data import load_step
-
-# Two groups; one trial of t1 is split into two segments (a fork) to exercise trial weighting.
-SPECS = [
-    TrialSpec("t1", 0, 1.0, segments=2),
-    TrialSpec("t1", 1, 0.0),
-    TrialSpec("t1", 2, 0.0),
-    TrialSpec("t1", 3, 1.0),
-    TrialSpec("t2", 0, 0.0),
-    TrialSpec("t2", 1, 0.5),
-    TrialSpec("t2", 2, 1.0),
-]
 
 # rollout logprobs perturbed (N(0, 0.3)) so importance weights vary and some hit the cap
 noisy_run = run_fixture(SPECS, logprob_noise=0.3)
 # rollout logprobs exactly as sampled by the model in fp32
 exact_run = run_fixture(SPECS)
-
-
-def _token_logps(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """log p(ids[t] | ids[:t]) for t >= 1 (0 at t = 0), float64, from a plain forward."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
-    lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return torch.cat([torch.zeros(1, dtype=torch.float64), lp])
 
 
 @pytest.mark.parametrize(
@@ -54,20 +35,17 @@ def test_loss_matches_independent_computation(
 ) -> None:
     cap, eps = 1.3, 0.05
     config = TrainConfig(loss=loss, importance_sampling=level, is_cap=cap, epsilon=eps)  # type: ignore[arg-type]
-    data = load_step(noisy_run)
-    prepare(data, config)
-    batch = make_batches(data, None, seed=0)[0]
-    trainer = _build_trainer(tiny_model, tmp_path / "out", data, [batch], config, None, [])
+    trainer, data, batch = first_batch_trainer(noisy_run, tiny_model, tmp_path / "out", config)
     trainer.current_gradient_accumulation_steps = 1
     model = trainer.model
-    model.train()
 
     # Everything below the trainer's call comes from the shards and a plain forward, not from the trainer.
     raw = {row.trial_id: row for row in shards.read_rows(noisy_run.rollouts, Kind.ROLLOUTS)}
     rewards = {spec_key(s): s.reward for s in SPECS}
     segs = [raw[data.sequences[i].trial_id].segments[data.sequences[i].segment_index] for i in batch]
     trial_of = [data.sequences[i].trial_id for i in batch]
-    old = [_token_logps(model, s.token_ids) for s in segs]
+    with torch.no_grad():
+        old = [token_logps(model, s.token_ids) for s in segs]
 
     scored = trainer._generate_and_score_completions([{"seq": i} for i in batch])
     gen = torch.Generator().manual_seed(1)
@@ -76,7 +54,8 @@ def test_loss_matches_independent_computation(
             p.add_(0.02 * torch.randn(p.shape, generator=gen))
     got = float(trainer._compute_loss(model, scored).detach())
 
-    new = [_token_logps(model, s.token_ids) for s in segs]
+    with torch.no_grad():
+        new = [token_logps(model, s.token_ids) for s in segs]
     group_rewards: dict[str, list[float]] = {}
     for tid, r in rewards.items():
         group_rewards.setdefault(tid.split("/")[0], []).append(r)  # type: ignore[arg-type]
@@ -136,12 +115,8 @@ def test_splitting_a_trial_into_segments_changes_nothing(
     losses = []
     for run in (noisy_run, unsplit):
         config = TrainConfig(loss=loss)  # type: ignore[arg-type]
-        data = load_step(run)
-        prepare(data, config)
-        batch = make_batches(data, None, seed=0)[0]
-        trainer = _build_trainer(tiny_model, tmp_path / "out", data, [batch], config, None, [])
+        trainer, _, batch = first_batch_trainer(run, tiny_model, tmp_path / "out", config)
         trainer.current_gradient_accumulation_steps = 1
-        trainer.model.train()
         scored = trainer._generate_and_score_completions([{"seq": i} for i in batch])
         losses.append(float(trainer._compute_loss(trainer.model, scored).detach()))
     assert len(load_step(noisy_run).sequences) == len(load_step(unsplit).sequences) + 1

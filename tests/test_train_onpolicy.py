@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from train_support import TrialSpec, run_fixture
+from train_support import TrialSpec, first_batch_trainer, run_fixture
 
 from legorl.core import metric_keys as mk
 from legorl.core.paths import RunDir
@@ -30,13 +30,9 @@ noisy_run = run_fixture(SPECS, logprob_noise=0.3)
 
 def _one_update(run: RunDir, model: Path, out: Path, **options: Any) -> dict[str, Any]:
     config = TrainConfig(learning_rate=1e-4, micro_batches=2, is_cap=1.5, **options)
-    data = load_step(run)
-    prepare(data, config)
-    batch = make_batches(data, None, seed=0)[0]
-    trainer = _build_trainer(model, out, data, [batch], config, None, [])
+    trainer, _, batch = first_batch_trainer(run, model, out, config)
     forwards = [0]
     trainer.model.base_model.register_forward_hook(lambda *args: forwards.__setitem__(0, forwards[0] + 1))
-    trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.steps_per_generation
     rows = [{"seq": i} for i in batch]
     losses = [float(trainer.training_step(trainer.model, rows)) for _ in range(trainer.steps_per_generation)]

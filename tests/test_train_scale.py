@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from train_support import TrialSpec, run_fixture
+from train_support import TrialSpec, first_batch_trainer, run_fixture
 
 from legorl.core.paths import RunDir
-from legorl.stages.train import _build_trainer, prepare
 from legorl.training.attention import packed_attention
-from legorl.training.batching import make_batches, token_micro_batches
+from legorl.training.batching import token_micro_batches
 from legorl.training.config import TrainConfig
 from legorl.training.data import load_step
 from legorl.training.logprobs import HEAD_TILE_BYTES, sampled_logps, vocab_chunk
@@ -35,11 +34,7 @@ moe_run = run_fixture(SPECS, model="tiny_moe_model", logprob_noise=0.3)
 
 def _trainer(run: RunDir, model: Path, out: Path, **options: Any) -> tuple[Any, list[int]]:
     config = TrainConfig(learning_rate=1e-4, **options)
-    data = load_step(run)
-    prepare(data, config)
-    batch = make_batches(data, None, seed=0)[0]
-    trainer = _build_trainer(model, out, data, [batch], config, None, [])
-    trainer.model.train()
+    trainer, _, batch = first_batch_trainer(run, model, out, config)
     return trainer, batch
 
 

@@ -5,6 +5,10 @@ fp32 with a KV-cache decode loop (temperature 1, no top-k/top-p), so the recorde
 those of the distribution that was sampled. For MoE models the experts each position was routed
 to when it was first processed are recorded too (the last sampled token is never processed, so
 its routing is -1: the router's own choice).
+
+Also what several training tests share: a spec set (:data:`TWO_GROUPS_ONE_FORK`), the trainer the
+stage builds on a step's first batch (:func:`first_batch_trainer`) and the plain-forward logprobs the
+trainer's figures are checked against (:func:`token_logps`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -22,6 +26,10 @@ from legorl.core import shards
 from legorl.core.paths import RunDir
 from legorl.core.schemas import Call, GradeRow, Kind, Outcome, Segment, TrialRow
 from legorl.routing import capture_routing, routing_shape
+
+if TYPE_CHECKING:
+    from legorl.training.config import TrainConfig
+    from legorl.training.data import StepData
 
 TOOL_TEXT = "\n<tool_response>\nOK: 3 passed\n</tool_response>\n"
 
@@ -36,6 +44,26 @@ class TrialSpec:
     harness: str = "mini"
     segments: int = 1  # >1: the same tokens split at the tool call into a fork segment
     versions: tuple[int, int] | None = None  # policy version of each turn's call; None: no calls recorded
+
+
+# Two groups; one trial of t1 is split into two segments (a fork) to exercise trial weighting.
+TWO_GROUPS_ONE_FORK = [
+    TrialSpec("t1", 0, 1.0, segments=2),
+    TrialSpec("t1", 1, 0.0),
+    TrialSpec("t1", 2, 0.0),
+    TrialSpec("t1", 3, 1.0),
+    TrialSpec("t2", 0, 0.0),
+    TrialSpec("t2", 1, 0.5),
+    TrialSpec("t2", 2, 1.0),
+]
+
+
+def token_logps(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1 (0 at t = 0), float64, from a plain forward (with gradient
+    unless called under ``torch.no_grad()``): the reference the trainer's figures are checked against."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return torch.cat([torch.zeros(1, dtype=torch.float64), lp])
 
 
 @torch.no_grad()
@@ -173,6 +201,23 @@ def _segments(
     if parts == 1:
         return [seg(len(ids), 0, "main")]
     return [seg(cut, 0, "main"), seg(len(ids), cut, "rewrite")]
+
+
+def first_batch_trainer(
+    run: RunDir, model_dir: Path, out: Path, config: TrainConfig
+) -> tuple[Any, StepData, list[int]]:
+    """The trainer the train stage builds on ``run``'s step (prepared for ``config``) for its first batch
+    (seed 0), its model in train mode; with the step's data and that batch."""
+    from legorl.stages.train import _build_trainer, prepare
+    from legorl.training.batching import make_batches
+    from legorl.training.data import load_step
+
+    data = load_step(run)
+    prepare(data, config)
+    batch = make_batches(data, None, seed=0)[0]
+    trainer = _build_trainer(model_dir, out, data, [batch], config, None, [])
+    trainer.model.train()
+    return trainer, data, batch
 
 
 def trained_run(run_dir: Path, model_dir: Path, logprob_noise: float = 0.0, is_cap: float = 2.0) -> RunDir:

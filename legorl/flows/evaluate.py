@@ -74,12 +74,11 @@ def _rollout(settings: evaluation.EvalSettings, view: RunDir, policy: PolicySpec
              progress: StageProgress[TrialRow] | None) -> dict[str, Any]:
     """The rollout stage on RUN/eval with the eval settings; returns its summary."""
     trial_options = {f.name: getattr(settings, f.name) for f in fields(TrialOptions)}
-    cfg = RolloutConfig(**trial_options | {"run": view.root, "step": settings.step,
-                                           "temperature": settings.effective_temperature})
+    cfg = RolloutConfig(**trial_options | {"run": view.root, "step": settings.step})
     jobs, skipped = plan(cfg)
     if not jobs:  # all done: no engine to load, no proxy to start
         return RolloutSummary(planned=skipped, skipped=skipped).as_dict()
-    policy = replace(policy, temperature=settings.effective_temperature)
+    policy = replace(policy, temperature=settings.temperature)
     with open_policy(policy, loading=loading) as served:
         summary = rollout_stage(cfg, served.proxy, on_start=progress.on_start if progress else None,
                                 on_done=progress.on_done if progress else None)

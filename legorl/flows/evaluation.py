@@ -74,11 +74,6 @@ class EvalSettings(TrialOptions):
     def unset_temperature(self) -> float:
         return 0.0 if self.samples == 1 else DEFAULT_TEMPERATURE  # one sample: greedy
 
-    @property
-    def effective_temperature(self) -> float:
-        assert self.temperature is not None  # set by TrialOptions.__post_init__
-        return self.temperature
-
     def validate(self) -> None:
         for k in self.ks or []:
             if k < 1:
@@ -87,7 +82,7 @@ class EvalSettings(TrialOptions):
     def as_report_dict(self) -> dict[str, Any]:
         """The settings that shape the numbers, as recorded in the report (no paths, no times)."""
         return {
-            "samples": self.samples, "temperature": self.effective_temperature, "step": self.step,
+            "samples": self.samples, "temperature": self.temperature, "step": self.step,
             "limit": self.limit, "max_turns": self.max_turns, "max_tokens": self.max_tokens,
             "timeout_s": self.timeout_s, "grade_timeout_s": self.grade.test_timeout,
         }

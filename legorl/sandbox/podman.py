@@ -30,7 +30,6 @@ from legorl.sandbox.base import ExecResult, SandboxSpec
 from legorl.sandbox.bounded import Cap
 from legorl.sandbox.errors import SandboxError
 from legorl.sandbox.host import podman_env, podman_path, require_image, run_podman
-from legorl.sandbox.live import live_sandboxes as live_sandboxes
 from legorl.sandbox.podman_container import STDERR, PodmanSandbox, output_text
 from legorl.sandbox.podman_run import container_name, run_args
 from legorl.sandbox.service import get_service
