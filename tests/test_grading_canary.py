@@ -21,6 +21,7 @@ import pytest
 from legorl.grading.canaries import halves
 from legorl.grading.patches import added_lines
 from legorl.grading.sandboxed import canary, expectations
+from legorl.grading.script import launch
 
 PATH = "tests/test_x.py"
 
@@ -298,7 +299,8 @@ def test_the_writer_script_rewrites_files_in_place(tmp_path: Path, mutate: bool)
             "tests": {"tests/test_x.py::test_a": {"site": ["tests/test_x.py", 2], "salt": "0"}},
             "added": {"tests/test_x.py": [1, 2]}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    out = subprocess.run([sys.executable, "-I", canary.__file__, str(tmp_path / "spec.json")],
+    code = launch(str(Path(canary.__file__).parent.parent), "canary", package="sandboxed")
+    out = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path / "spec.json")],
                          capture_output=True, text=True, check=True).stdout
     assert test.stat().st_ino == inode
     changed = test.read_text() != original

@@ -300,6 +300,6 @@ def test_each_defence_is_what_stops_its_attack(harbor_run: Path, monkeypatch: py
             assert (row.reward, row.status) == (1.0, "graded"), (name, row.error)
     monkeypatch.setattr(harbor, "harbor_script", original)
     # no judge: /app/pytest.py is the test runner
-    monkeypatch.setattr(harbor, "sandboxed_files", lambda *names: {f"{harbor.PACKAGE}/judge.py": "print('{}')\n"})
+    monkeypatch.setattr(harbor, "sandboxed_files", lambda *names: {"legorl_grading/judge.py": "def main():\n    print('{}')\n"})
     row = Grader(GradeOptions()).grade(task, ATTACKS["shadow pytest"])
     assert (row.reward, row.status) == (1.0, "graded")

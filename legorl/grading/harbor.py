@@ -47,10 +47,10 @@ from legorl.grading.script import (
     JUDGE_TIMEOUT_S,
     MAX_JUDGE_OUTPUT,
     MAX_TEST_OUTPUT,
-    PACKAGE,
     WORK,
     Events,
     bundle,
+    launch,
     patch_apply_block,
     read_events,
     sandboxed_files,
@@ -95,7 +95,7 @@ ev ready
 rm -rf "$D/.git"
 PY=$(command -v python3 || true)
 if [ -n "$PY" ]; then
-  J=$(cd $W && timeout -k 5 {JUDGE_TIMEOUT_S} "$PY" -I $W/{PACKAGE}/judge.py $W/judge.json 2>$W/judge.err \
+  J=$(cd $W && timeout -k 5 {JUDGE_TIMEOUT_S} "$PY" -I -c {q(launch(WORK, 'judge'))} $W/judge.json 2>$W/judge.err \
     | head -c {MAX_JUDGE_OUTPUT}; exit "${{PIPESTATUS[0]}}"); jc=$?
   if [ $jc -ne 0 ]; then ev judge_failed "$(tail -c 400 $W/judge.err | base64 -w0)"; exit 0; fi
   ev judged "$(printf %s "$J" | base64 -w0)"

@@ -96,10 +96,18 @@ def parse_pytest_command(command: str) -> PytestCommand | None:
 
 
 SANDBOXED = resources.files("legorl.grading.sandboxed")
-# The sandboxed scripts go in as a package of this name (a name no tree under test uses), entries run
-# as files (``python3 -I $W/legorl_grading/judge.py``); the runner's part is copied to RUNNER_DIR.
+# The sandboxed scripts go in as a package of this name (a name no tree under test uses), in WORK; the
+# runner's part is copied to RUNNER_DIR for the test user.
 PACKAGE = "legorl_grading"
 RUNNER_FILES = ("__init__.py", "runner.py", "guard.py")
+
+
+def launch(folder: str, module: str, package: str = PACKAGE) -> str:
+    """The ``python3 -I -c`` code that runs ``package.module`` as ``__main__`` from ``folder`` (the
+    package's parent): ``-I`` puts no folder of ours on ``sys.path``, so the launcher adds it to import
+    the package and takes it off again before the module runs (its siblings come through the package)."""
+    return (f"import runpy, sys; sys.path.insert(0, {folder!r}); import {package}; del sys.path[0]; "
+            f"runpy.run_module('{package}.{module}', run_name='__main__', alter_sys=True)")
 
 
 def sandboxed_files(*names: str) -> dict[str, str]:
@@ -157,7 +165,7 @@ def grading_script(nonce: str, report_nonce: str, *, has_patch: bool, has_test_p
     pytest = parse_pytest_command(command)
     if pytest is not None:
         env = " ".join(q(e) for e in pytest.env)
-        run = (f"env {TEST_ENV} {env} {q(pytest.python)} -I {RUNNER_DIR}/{PACKAGE}/runner.py {REPORT_FD} {RUNNER_DIR}/changes.json "
+        run = (f"env {TEST_ENV} {env} {q(pytest.python)} -I -c {q(launch(RUNNER_DIR, 'runner'))} {REPORT_FD} {RUNNER_DIR}/changes.json "
                + " ".join(q(a) for a in pytest.args))
         mode = "runner"
     else:
@@ -180,12 +188,12 @@ if [ -e /testbed/.git ]; then mv /testbed/.git $W/git || {{ ev infra "cannot mov
 cp -a /testbed $W/pristine && chown -R $U:$U /testbed || {{ ev infra "cannot copy the testbed"; exit 0; }}
 ev ready
 {apply_block}ev applied
-cd $W && J=$(timeout -k 5 {JUDGE_TIMEOUT_S} "$PY" -I $W/{PACKAGE}/judge.py $W/judge.json 2>$W/judge.err | head -c {MAX_JUDGE_OUTPUT}; \
+cd $W && J=$(timeout -k 5 {JUDGE_TIMEOUT_S} "$PY" -I -c {q(launch(WORK, 'judge'))} $W/judge.json 2>$W/judge.err | head -c {MAX_JUDGE_OUTPUT}; \
   exit "${{PIPESTATUS[0]}}"); jc=$?
 if [ $jc -ne 0 ]; then ev judge_failed "$(tail -c 400 $W/judge.err | base64 -w0)"; exit 0; fi
 ev judged "$(printf %s "$J" | base64 -w0)"
 cd /testbed || exit 0
-{test_patch_block}C=$(cd $W && "$PY" -I $W/{PACKAGE}/canary.py $W/canary.json 2>$W/canary.err) \
+{test_patch_block}C=$(cd $W && "$PY" -I -c {q(launch(WORK, 'canary'))} $W/canary.json 2>$W/canary.err) \
   || {{ ev canary_failed "$(tail -c 300 $W/canary.err | base64 -w0)"; exit 0; }}
 ev canaries "$(printf %s "$C" | base64 -w0)"
 if [ -d $W/git ]; then mv $W/git /testbed/.git; fi

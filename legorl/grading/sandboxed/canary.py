@@ -25,7 +25,7 @@ the grader keeps as canaries only the mutations the gold patch fails and the bug
 same frames as the real test. Which test is mutated, and to what, comes from a seed the test user
 never sees (with a per-test ``salt``: the grader's retry after a mutation that failed those checks).
 
-Usage: ``python3 -I legorl_grading/canary.py SPEC_JSON`` where SPEC is ``{"tree", "files", "tests", "added", "seed",
+Usage (:func:`legorl.grading.script.launch`): ``canary SPEC_JSON`` where SPEC is ``{"tree", "files", "tests", "added", "seed",
 "mutate"}``, ``tests`` mapping a test id to ``{"site": [path, line], "salt": str}`` and ``added`` a path
 to the test patch's added line numbers; prints ``{"mutated": {test: "file:line"}}``.
 """
@@ -42,13 +42,6 @@ import re
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Dict, List, NamedTuple, Tuple  # noqa: UP035 - task images may run Python 3.8
-
-if not __package__:  # python3 -I FILE (the grading container): import the files beside it as a package
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.dirname(_here))
-    __package__ = os.path.basename(_here)
-    __import__(__package__)
-    del sys.path[0]
 
 from .expectations import (
     Site,

@@ -29,7 +29,7 @@ This is the one place these rules live (docs/threat-model.md points here):
 Then it screens the Python lines the patch added outside the tests for code that reaches into
 the test runner or the interpreter (:mod:`.screen`, a tripwire); findings go on the grade row.
 
-Usage: ``python3 -I legorl_grading/judge.py CONFIG.json`` prints one JSON object:
+Usage (:func:`legorl.grading.script.launch`): ``judge CONFIG.json`` prints one JSON object:
 ``{"reset": [[path, why], ...], "changed": [path, ...], "suspicious": ["path:line: why: code"]}``.
 Compatible with Python 3.8+ (task images bring their own interpreter).
 """
@@ -43,13 +43,6 @@ import shutil
 import stat
 import sys
 import time
-
-if not __package__:  # python3 -I FILE (the grading container): import the files beside it as a package
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.dirname(_here))
-    __package__ = os.path.basename(_here)
-    __import__(__package__)
-    del sys.path[0]
 
 from .screen import MAX_FINDINGS, added_lines, screen
 

@@ -20,7 +20,7 @@ read-only folder outside the tree. In order:
 The tripwires (:mod:`.guard`: an audit hook, the identity snapshot, hook implementations from the
 tree) are installed before the repository is importable; what they find also goes in the report.
 
-Usage: ``python3 -I legorl_grading/runner.py REPORT_FD CHANGES_JSON [pytest args...] < nonce`` (CHANGES_JSON:
+Usage (:func:`legorl.grading.script.launch`): ``runner REPORT_FD CHANGES_JSON [pytest args...] < nonce`` (CHANGES_JSON:
 the judge's ``added`` map, path -> added line numbers or null for a whole file). Python 3.8+.
 """
 
@@ -30,13 +30,6 @@ import json
 import os
 import sys
 from typing import Any
-
-if not __package__:  # python3 -I FILE (the grading container): import the files beside it as a package
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.dirname(_here))
-    __package__ = os.path.basename(_here)
-    __import__(__package__)
-    del sys.path[0]
 
 from .guard import (
     REPORT_HOOKS,
