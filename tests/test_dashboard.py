@@ -12,9 +12,13 @@ from typer.testing import CliRunner
 
 from legorl.cli.app import app as cli_app
 from legorl.core import metric_keys as mk
+from legorl.core.schemas import trial_is_infra
 from legorl.monitor import report
+from legorl.monitor.dashboard.data import overview
 from legorl.monitor.dashboard.export import export
 from legorl.monitor.dashboard.server import create_app
+from legorl.monitor.health import health_summary
+from legorl.monitor.loading import RunReader
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +56,17 @@ def test_overview_has_data_for_every_panel(runs: tuple[Path, Path]) -> None:
     assert len(ov["trials"]) == 64
     assert client.get("/api/overview?run=1").json()["counts"]["trials"] == 32
     assert client.get("/api/overview?run=5").status_code == 400
+
+
+def test_figures_a_snapshot_keeps_are_those_of_a_fresh_one(runs: tuple[Path, Path]) -> None:
+    """The health summary and the overview share the figures they derive from one snapshot (computed
+    once): neither changes them for the other, and the infra rule cached per trial is the core's."""
+    snap = RunReader(runs[0]).snapshot()
+    health_summary(snap)
+    first = overview(snap)
+    assert overview(snap) == first == overview(RunReader(runs[0]).snapshot())
+    infra = {tid for tid, t in snap.trials.items() if trial_is_infra(t.infra_failure, snap.grades.get(tid))}
+    assert infra and {tid for tid, t in snap.trials.items() if snap.is_infra(t)} == infra
 
 
 def test_trial_detail(runs: tuple[Path, Path]) -> None:

@@ -24,7 +24,7 @@ def _whole_rows_summary(path: Path) -> dict[str, object]:
     out = inspect.inspect_path(path)
     for d in out["datasets"]:
         dataset = shards.read(d["path"], Kind(d["kind"]))
-        d["breakdown"] = inspect._breakdown(dataset)
+        d["breakdown"] = inspect._breakdown(dataset, Path(d["path"]))
         d["rows"], d["duplicate_keys"] = dataset.table.num_rows, dataset.duplicates
     return out
 

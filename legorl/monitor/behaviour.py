@@ -181,7 +181,7 @@ def self_verifies(events: Sequence[Event]) -> bool:
     return False
 
 
-@dataclass
+@dataclass(slots=True)
 class TrialBehaviour:
     """Per-trial figures. Shares are None where their denominator is zero."""
 

@@ -50,10 +50,11 @@ def detect_kind(folder: Path) -> Kind | None:
 
 # The columns each kind's breakdown reads (the key columns come with them): not the conversations,
 # patches, test logs or problem statements.
-# Of the nested columns, the fields they count (``segments.token_ids``): not a segment's logprobs or routing.
+# Of the nested columns, the fields they count (``segments.loss_mask``): not a segment's logprobs or routing,
+# nor its token ids, read only for the trials of several segments (:func:`_fork_costs`).
 COLUMNS: dict[Kind, list[str]] = {
     Kind.TASKS: ["repo", "flaky_tests"],
-    Kind.ROLLOUTS: ["outcome", "harness", "step", "infra_failure", "segments.token_ids", "segments.loss_mask",
+    Kind.ROLLOUTS: ["outcome", "harness", "step", "infra_failure", "segments.loss_mask",
                     "calls.policy_version", "calls.budget_stop", "calls.completion_tokens",
                     *(f"fingerprint.{field}" for field in fingerprints.TRIAL_FIELDS)],
     Kind.GRADES: ["task_id", "status", "resolved", "reward", "infra_failure", "suspicious",
@@ -66,7 +67,7 @@ def _counts(values: list[Any]) -> dict[str, int]:
     return {str(k): v for k, v in sorted(Counter(values).items(), key=lambda kv: str(kv[0]))}
 
 
-def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
+def _breakdown(dataset: shards.Dataset, folder: Path) -> dict[str, Any]:
     t = dataset.table
     if dataset.kind == Kind.TASKS:
         return {"repos": _counts(t.column("repo").to_pylist()), "flaky_tests": _flaky(t)}
@@ -83,7 +84,7 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
             "infra_failures": int(pc.sum(t.column("infra_failure")).as_py() or 0),
             "sampled_tokens": sampled,
             "segments": len(flat),
-            "fork_costs": _fork_costs(t),
+            "fork_costs": _fork_costs(t, folder),
             **_staleness(t),
             **_mixes(trials=t.select(["harness", "step", "fingerprint"]).to_pylist()),
         }
@@ -111,14 +112,15 @@ def _breakdown(dataset: shards.Dataset) -> dict[str, Any]:
     return {"steps": len(steps), "keys": len(set(t.column("key").to_pylist())), "last": dict(sorted(last.items()))}
 
 
-def _fork_costs(t: Any, heaviest: int = 3) -> dict[str, Any]:
+def _fork_costs(t: Any, folder: Path, heaviest: int = 3) -> dict[str, Any]:
     """Segment tokens per sampled token and the shared-prefix share, over the trials and for the heaviest.
-    A trial of one segment shares nothing, so only the trials of several are compared token by token."""
+    A trial of one segment shares nothing, so only the token ids of the trials of several are read
+    (from ``folder``, the rows of those trials alone) and compared token by token."""
     per_row = pc.fill_null(pc.list_value_length(t.column("segments")), 0).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(t.column("segments"))
-    ids = pc.struct_field(flat, "token_ids")
-    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
-    masks = pc.list_flatten(pc.struct_field(flat, "loss_mask")).to_numpy(zero_copy_only=False)  # as long as values
+    mask_lists = pc.struct_field(flat, "loss_mask")
+    lengths = pc.list_value_length(mask_lists).to_numpy(zero_copy_only=False)  # a segment's ids are as long
+    masks = pc.list_flatten(mask_lists).to_numpy(zero_copy_only=False)
     ends = np.cumsum(lengths)
     starts = ends - lengths
     running = np.concatenate([[0], np.cumsum(masks, dtype=np.int64)])
@@ -128,11 +130,11 @@ def _fork_costs(t: Any, heaviest: int = 3) -> dict[str, Any]:
     first = np.concatenate([[0], np.cumsum(per_row)[:-1]]).astype(np.int64) if len(per_row) else per_row
     several = np.flatnonzero(per_row > 1)
     if len(several):
-        values = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
         trial_ids = t.column("trial_id").take(pa.array(several)).to_pylist()
+        ids = _segment_ids(folder, trial_ids, sorted(set(t.column("step").take(pa.array(several)).to_pylist())))
         for trial_id, row in zip(trial_ids, several.tolist(), strict=True):
             segs = range(int(first[row]), int(first[row] + per_row[row]))
-            cost = fork_cost([values[starts[k]:ends[k]] for k in segs], int(sum(int(sampled[k]) for k in segs)))
+            cost = fork_cost(ids[trial_id], int(sum(int(sampled[k]) for k in segs)))
             shared += cost.shared_tokens
             forked.append((trial_id, cost))
     total = ForkCost(len(lengths), int(lengths.sum()), int(sampled.sum()), shared)
@@ -140,6 +142,25 @@ def _fork_costs(t: Any, heaviest: int = 3) -> dict[str, Any]:
     return {"segment_tokens_per_sampled": total.tokens_per_sampled, "shared_share": total.shared_share,
             "heaviest": [{"trial_id": trial_id, "segments": c.segments, "segment_tokens_per_sampled": c.tokens_per_sampled,
                           "shared_share": c.shared_share} for trial_id, c in forked[:heaviest]]}
+
+
+def _segment_ids(folder: Path, trial_ids: list[str], steps: list[int]) -> dict[str, list[np.ndarray]]:
+    """The token ids of each segment of ``trial_ids`` (rows of ``steps``: row groups of other steps are
+    not read), by trial id."""
+    where = pc.field("step").isin(steps) & pc.field("trial_id").isin(trial_ids)
+    table = shards.read(folder, Kind.ROLLOUTS, columns=["step", "segments.token_ids"], where=where).table
+    segments = table.column("segments").combine_chunks()
+    per_row = pc.fill_null(pc.list_value_length(segments), 0).to_numpy(zero_copy_only=False)
+    ids = pc.struct_field(pc.list_flatten(segments), "token_ids")
+    ends = np.cumsum(pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False))
+    values = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
+    bounds = list(zip(np.concatenate([[0], ends[:-1]]).tolist(), ends.tolist(), strict=True))
+    out: dict[str, list[np.ndarray]] = {}
+    first = 0
+    for trial_id, n in zip(table.column("trial_id").to_pylist(), per_row.tolist(), strict=True):
+        out[trial_id] = [values[a:b] for a, b in bounds[first:first + n]]
+        first += n
+    return out
 
 
 def _flaky(t: Any) -> dict[str, Any]:
@@ -195,7 +216,7 @@ def summarize_dataset(name: str, folder: Path, kind: Kind) -> dict[str, Any]:
         "commands": sorted({i.command for i in infos if i.command})[:5],
         "duplicate_keys": dataset.duplicates,
         "temp_files": len(list(folder.glob(".part-*.tmp"))),
-        "breakdown": _breakdown(dataset),
+        "breakdown": _breakdown(dataset, folder),
     }
 
 

@@ -8,8 +8,8 @@ solve rates and group statistics, and counted in the outcome breakdown.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from legorl.core.schemas import GradeStatus, grade_is_infra
 from legorl.monitor.loading import GradeInfo, Snapshot, TrialInfo
@@ -54,44 +54,80 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 6)
 
 
+_T = TypeVar("_T")
+
+
+def _once(snap: Snapshot, name: str, compute: Callable[[Snapshot], _T]) -> _T:
+    """``compute(snap)``, computed once per snapshot (a snapshot never changes; the overview and the
+    health summary ask for the same figures): callers must not change what it returns."""
+    if name not in snap.derived:
+        snap.derived[name] = compute(snap)
+    found: _T = snap.derived[name]
+    return found
+
+
 def scored(snap: Snapshot) -> list[tuple[TrialInfo, GradeInfo]]:
-    """Trials with a usable grade (graded, not an infrastructure failure), sorted by trial id (computed
-    once per snapshot: the overview and the health summary ask for it several times)."""
-    found = snap.derived.get("scored")
-    if found is None:
-        found = snap.derived["scored"] = []
-        for tid in sorted(snap.trials):
-            trial = snap.trials[tid]
-            grade = snap.grades.get(tid)
-            if grade is None or snap.is_infra(trial):
-                continue
+    """Trials with a usable grade (graded, not an infrastructure failure), sorted by trial id."""
+    return list(_once(snap, "scored", _scored))
+
+
+def _scored(snap: Snapshot) -> list[tuple[TrialInfo, GradeInfo]]:
+    found = []
+    for tid in sorted(snap.trials):
+        trial = snap.trials[tid]
+        grade = snap.grades.get(tid)
+        if grade is not None and not snap.is_infra(trial):
             found.append((trial, grade))
-    return list(found)
+    return found
+
+
+def categories(snap: Snapshot) -> dict[str, str]:
+    """:func:`category` of each trial of the snapshot, by trial id."""
+    return _once(snap, "categories", _categories)
+
+
+def _categories(snap: Snapshot) -> dict[str, str]:
+    grades = snap.grades
+    return {tid: category(trial, grades.get(tid)) for tid, trial in snap.trials.items()}
 
 
 def reward_by_step(snap: Snapshot) -> dict[str, dict[str, list[Any]]]:
     """Per harness (and ``all``): steps, mean reward, solve rate and trial count."""
-    acc: dict[tuple[str, int], list[tuple[float, bool]]] = defaultdict(list)
+    return _once(snap, "reward_by_step", _reward_by_step)
+
+
+def _reward_by_step(snap: Snapshot) -> dict[str, dict[str, list[Any]]]:
+    acc: dict[tuple[str, int], list[float]] = {}  # (harness, step) -> [reward sum, solved, trials], in trial order
     for trial, grade in scored(snap):
-        value = (grade.reward or 0.0, bool(grade.resolved))
-        acc[(trial.harness, trial.step)].append(value)
-        acc[(ALL, trial.step)].append(value)
+        reward, solved = grade.reward or 0.0, bool(grade.resolved)
+        for key in ((trial.harness, trial.step), (ALL, trial.step)):
+            sums = acc.get(key)
+            if sums is None:
+                sums = acc[key] = [0, 0, 0]
+            sums[0] += reward
+            sums[1] += solved
+            sums[2] += 1
     out: dict[str, dict[str, list[Any]]] = {}
     for (harness, step) in sorted(acc):
-        values = acc[(harness, step)]
+        total, solved_n, n = acc[(harness, step)]
         series = out.setdefault(harness, {"steps": [], "reward_mean": [], "solve_rate": [], "n": []})
         series["steps"].append(step)
-        series["reward_mean"].append(_r(sum(v for v, _ in values) / len(values)))
-        series["solve_rate"].append(_r(sum(s for _, s in values) / len(values)))
-        series["n"].append(len(values))
+        series["reward_mean"].append(_r(total / n))
+        series["solve_rate"].append(_r(solved_n / n))
+        series["n"].append(int(n))
     return out
 
 
 def outcomes_by_step(snap: Snapshot) -> dict[str, Any]:
     """Counts of each outcome category per step (every trial, infrastructure failures included)."""
+    return _once(snap, "outcomes_by_step", _outcomes_by_step)
+
+
+def _outcomes_by_step(snap: Snapshot) -> dict[str, Any]:
     counts: dict[int, Counter[str]] = defaultdict(Counter)
+    by_trial = categories(snap)
     for trial in snap.trials.values():
-        counts[trial.step][category(trial, snap.grades.get(trial.trial_id))] += 1
+        counts[trial.step][by_trial[trial.trial_id]] += 1
     steps = sorted(counts)
     names = sort_categories(c for cnt in counts.values() for c in cnt)
     return {"steps": steps, "categories": {n: [counts[s][n] for s in steps] for n in names}}
@@ -103,6 +139,10 @@ def groups_by_step(snap: Snapshot) -> dict[str, list[Any]]:
     A group with the same reward on every attempt has zero advantage everywhere: no gradient.
     Groups with fewer than two scored attempts are not counted.
     """
+    return _once(snap, "groups_by_step", _groups_by_step)
+
+
+def _groups_by_step(snap: Snapshot) -> dict[str, list[Any]]:
     groups: dict[str, list[float]] = defaultdict(list)
     step_of: dict[str, int] = {}
     for trial, grade in scored(snap):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 from legorl.core import metric_keys as mk
@@ -38,18 +39,25 @@ def _behaviour_series(snap: Snapshot) -> dict[str, dict[str, dict[str, list[Any]
 
 def _trial_rows(snap: Snapshot) -> list[dict[str, Any]]:
     rows = []
-    for t in sorted(snap.trials.values(), key=lambda t: (t.step, t.harness, t.task_id, t.sample_index)):
-        grade = snap.grades.get(t.trial_id)
+    grades, categories = snap.grades, stats.categories(snap)
+    for t in sorted(snap.trials.values(), key=attrgetter("step", "harness", "task_id", "sample_index")):
+        grade = grades.get(t.trial_id)
         b = t.behaviour
         rows.append({
             "trial_id": t.trial_id, "key": t.key, "task_id": t.task_id, "harness": t.harness, "step": t.step,
-            "sample_index": t.sample_index, "outcome": t.outcome, "category": stats.category(t, grade),
+            "sample_index": t.sample_index, "outcome": t.outcome, "category": categories[t.trial_id],
             "reward": grade.reward if grade else None, "resolved": grade.resolved if grade else None,
             "turns": b.turns, "tool_calls": b.tool_calls, "model_tokens": b.model_tokens,
             "env_tokens": b.env_tokens, "self_verifying": b.self_verifying, "ran_tests": b.ran_tests,
             "forks": b.forks, "text_only": bool(b.assistant_turns and not b.tool_calls),
         })
     return rows
+
+
+def _cost_table(snap: Snapshot) -> list[dict[str, Any]]:
+    """:func:`legorl.trials.costs.cost_table` of the trials, from the parts' summaries; each handed over
+    as the dict of the three fields it reads (a dict is its fast path)."""
+    return costs.cost_table({"step": t.step, "harness": t.harness, "cost": t.cost} for t in snap.trials.values())
 
 
 def _by_lag(metrics: dict[str, dict[str, dict[str, list[Any]]]], prefix: str) -> dict[str, dict[str, list[Any]]]:
@@ -99,7 +107,7 @@ def overview(snap: Snapshot) -> dict[str, Any]:
         "grid": stats.task_step_grid(snap),
         "trials": _trial_rows(snap),
         "eval": snap.eval_report,
-        "cost": costs.cost_table(snap.trials.values()),  # per step and harness (legorl.trials.costs), from the parts' summaries
+        "cost": _cost_table(snap),  # per step and harness (legorl.trials.costs)
     }
 
 
