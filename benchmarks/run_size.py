@@ -23,7 +23,7 @@ issue #30, for the ratio. ``--demo-finish`` times instead what ``make demo`` doe
 held-out eval (``examples/cpu-demo/demo_loop.py``: ``summary.json``, ``report.md`` with its plot, the
 static dashboard) on each run. Prints a table and, with ``--markdown``, the same table as markdown.
 
-    .venv/bin/python benchmarks/run_size.py [--sizes 1000,10000,100000] [--layout batched|per-row] [--markdown]
+    .venv/bin/python benchmarks/run_size.py [--sizes 1000,10000,100000] [--layout batched|per-row] [--repeat N] [--markdown]
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ TRIALS_PER_STEP = 32
 HARNESSES = ("mini-swe-agent", "opencode")
 OPS = ("write", "compact", "inspect", "overview (summaries)", "overview (cold)", "detail", "export", "train load",
        "demo finish")
+CHANGES_THE_RUN = ("write", "compact", "overview (cold)", "demo finish")  # timed once, even with --repeat
 
 
 def _conversation(task: str, turns: int) -> str:
@@ -138,8 +139,9 @@ def write_run(run: Path, trials: int, rows_per_part: int, seed: int = 0) -> None
                                             for s in range(steps) for k in ("loss", "reward_mean", "grad_norm")])
 
 
-def in_child(fn: Callable[[], Any]) -> tuple[float, float, Any]:
-    """Run ``fn`` in a forked child: (seconds, peak RSS in MB, its result)."""
+def in_child(fn: Callable[[], Any]) -> tuple[float, float, Any, float]:
+    """Run ``fn`` in a forked child: (seconds, peak RSS in MB, its result, its CPU seconds: on a
+    shared machine the steadier figure)."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
@@ -159,7 +161,7 @@ def in_child(fn: Callable[[], Any]) -> tuple[float, float, Any]:
         data = handle.read()
     _, _, usage = os.wait4(pid, 0)
     seconds, result = pickle.loads(data)
-    return seconds, usage.ru_maxrss / 1024, result
+    return seconds, usage.ru_maxrss / 1024, result, usage.ru_utime + usage.ru_stime
 
 
 def operations(run: Path, trials: int, rows_per_part: int, compact: bool, out: Path) -> dict[str, Callable[[], Any]]:
@@ -238,6 +240,9 @@ def main() -> None:
     parser.add_argument("--export-max", type=int, default=20_000,
                         help="leave the export out of larger runs (default 20000: it is linear, about 15 ms a trial)")
     parser.add_argument("--demo-finish", action="store_true", help="time make demo's finishing steps instead")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="time each reader this many times, each in a fresh child, and report the median "
+                             "(on a shared machine: a single time is noisy)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--keep", type=Path, default=None,
                         help="write the runs here and keep them (with --skip write: measure the runs already there)")
@@ -246,7 +251,7 @@ def main() -> None:
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     per_row = args.layout == "per-row"
     root = args.keep or Path(tempfile.mkdtemp(prefix="legorl-runsize-"))
-    table: dict[int, dict[str, tuple[float, float, Any]]] = {}
+    table: dict[int, dict[str, tuple[float, float, Any, float]]] = {}
     try:
         for n in sizes:
             run = root / f"run-{n}"
@@ -259,9 +264,12 @@ def main() -> None:
             for name, fn in ops.items():
                 if name in skip or (per_row and name == "compact") or (name == "export" and n > args.export_max):
                     continue
-                table[n][name] = in_child(fn)
-                seconds, rss, result = table[n][name]
-                print(f"  {n:>7} trials  {name:<10} {seconds:9.3f} s  {rss:8.0f} MB  ({result})", file=sys.stderr)
+                times = sorted((in_child(fn) for _ in range(1 if name in CHANGES_THE_RUN else max(1, args.repeat))),
+                               key=lambda t: t[0])
+                table[n][name] = times[len(times) // 2]
+                seconds, rss, result, cpu = table[n][name]
+                print(f"  {n:>7} trials  {name:<10} {seconds:9.3f} s  {rss:8.0f} MB  {cpu:8.3f} s CPU  ({result})",
+                      file=sys.stderr)
             files = sum(len(shards.part_files(run / d)) for d in ("rollouts", "grades"))
             print(f"  {n:>7} trials: {files} part files in rollouts/ and grades/", file=sys.stderr)
             shutil.rmtree(root / f"export-{n}", ignore_errors=True)
@@ -271,7 +279,7 @@ def main() -> None:
     print_table(table, args.layout, args.markdown)
 
 
-def print_table(table: dict[int, dict[str, tuple[float, float, Any]]], layout: str, markdown: bool) -> None:
+def print_table(table: dict[int, dict[str, tuple[float, float, Any, float]]], layout: str, markdown: bool) -> None:
     names = [o for o in OPS if any(o in row for row in table.values())]
     print(f"run size benchmark ({layout} layout): seconds / peak MB per operation")
     header = ["trials", *names]
@@ -294,10 +302,10 @@ def print_table(table: dict[int, dict[str, tuple[float, float, Any]]], layout: s
               + ", ".join(f"{o} {g:.1f}x" for o, g in growth.items()))
 
 
-def _cell(value: tuple[float, float, Any] | None) -> str:
+def _cell(value: tuple[float, float, Any, float] | None) -> str:
     if value is None:
         return "—"
-    seconds, rss, result = value
+    seconds, rss, result, _ = value
     if isinstance(result, dict) and "error" in result:
         return "failed"
     if isinstance(result, float):  # the detail: the click alone (its process loaded the overview first)

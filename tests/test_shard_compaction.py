@@ -15,6 +15,7 @@ from test_shards import make_trial
 
 from legorl.core import shards
 from legorl.core.schemas import Kind, MetricRow
+from legorl.core.shards import step_ranges
 from legorl.core.shards.compaction import merged_name
 from legorl.monitor import summaries
 
@@ -35,10 +36,20 @@ def _raw_keys(folder: Path) -> Counter[str]:
 
 
 def _leftovers(folder: Path) -> list[str]:
-    """Hidden files that should not outlive a compaction: its journals, temp files, and summaries that
-    are torn, stale or of a part that is gone. The lock and the valid summaries of live parts stay."""
-    left = sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and p.name not in (".compact.lock", ".summaries"))
+    """Hidden files that should not outlive a compaction: its journals, temp files, and summaries and
+    step ranges that are torn, stale or of a part that is gone. The lock and the valid summaries and
+    step ranges of live parts stay."""
+    left = sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and p.name not in (".compact.lock", ".summaries")
+                  and not p.name.startswith(step_ranges.PREFIX))
     live = {p.name for p in shards.part_files(folder)}
+    for path in sorted(folder.glob(f"{step_ranges.PREFIX}*")):
+        part = folder / path.name.removeprefix(step_ranges.PREFIX).removesuffix(step_ranges.SUFFIX)
+        if part.name not in live or step_ranges.load(part) is None:
+            left.append(path.name)
+        else:  # what the part holds
+            steps = shards.read_file(part, Kind.ROLLOUTS, ["step"]).column("step")
+            assert step_ranges.load(part) == step_ranges.StepRange.of(steps), part
+    left += [f"no step range for {name}" for name in sorted(live) if step_ranges.load(folder / name) is None]
     for summary in sorted((folder / ".summaries").glob("*")) if (folder / ".summaries").exists() else []:
         part = folder / summary.name.removesuffix(".summary")
         if part.name not in live or summaries.load(part) is None:

@@ -15,13 +15,17 @@ The contract:
   the parts they replace were; a reader never sees a row twice or zero times, killed or not;
 - :func:`read` takes ``where``, a filter pushed down to each file's row groups: a lookup by
   ``trial_id`` or ``step`` reads the row groups that can hold it, not the whole folder;
+- a part with a ``step`` column has its step range beside it (``.steps-<part>.json``:
+  :mod:`legorl.core.shards.step_ranges`), written with it; a read ``where`` the step rules out never
+  opens it, and one that is missing, stale or corrupt is ignored (the part is opened);
 - a rollout part may have a summary beside it, in the folder's hidden ``.summaries/``
   (:mod:`legorl.core.shards.summaries`; what it holds: :mod:`legorl.monitor.summaries`): derived data that
   no shard reader sees, checked against its part before use, written by the dashboard's reader and
   by compaction's ``on_merge``.
 
 The work is done by :mod:`legorl.core.shards.files` (the folder's files), :mod:`legorl.core.shards.writing`,
-:mod:`legorl.core.shards.reading`, :mod:`legorl.core.shards.compaction` and :mod:`legorl.core.shards.checks`; this
+:mod:`legorl.core.shards.reading`, :mod:`legorl.core.shards.compaction`, :mod:`legorl.core.shards.checks` and
+:mod:`legorl.core.shards.step_ranges`; this
 module is their public face (``docs/shards.md`` has the layout and the costs).
 """
 

@@ -7,19 +7,21 @@ part before it and before every part after it, so "the later file wins" resolves
 
 The steps, each durable before the next (``fsync``):
 
-1. write the merged part to a temp file (swept away if this process dies), and hand it to the
-   caller's ``on_merge`` (the monitor stores the merged part's summary there, keyed by its bytes:
-   :mod:`legorl.monitor.summaries`);
+1. write the merged part to a temp file (swept away if this process dies), in row groups of about
+   :data:`ROW_GROUP_BYTES`, store its step range (:mod:`legorl.core.shards.step_ranges`) and hand it to
+   the caller's ``on_merge`` (the monitor stores the merged part's summary there:
+   :mod:`legorl.monitor.summaries`), both keyed by its bytes;
 2. write the journal ``.compact-<merged>.json``, naming the merged part and the parts it replaces;
 3. rename the merged part into place: from here readers (:func:`legorl.core.shards.files.part_files`)
    hide the replaced parts, so none sees a row twice or zero times;
-4. remove the replaced parts, their summaries, then the journal.
+4. remove the replaced parts, their summaries and step ranges, then the journal.
 
 Killed anywhere, the next compaction finishes step 4 for a journal whose merged part exists and
 drops a journal whose merged part does not (the replaced parts then still hold the rows), and
-removes summaries whose part is gone. A summary is never what decides which rows a reader sees
-(the part listing is), so a crash that leaves one behind costs disk, not correctness. One
-compaction runs per folder at a time (a lock file); writers may add parts meanwhile.
+removes summaries and step ranges whose part is gone. Neither is what decides which rows a reader
+sees (the part listing is, and a step range is checked against its part's bytes), so a crash that
+leaves one behind costs disk, not correctness. One compaction runs per folder at a time (a lock
+file); writers may add parts meanwhile.
 """
 
 from __future__ import annotations
@@ -38,17 +40,22 @@ import pyarrow.parquet as pq
 from legorl.core.errors import ShardError
 from legorl.core.paths import RUN_DATASETS, RunDir, file_lock
 from legorl.core.schemas import KEY_COLUMNS, SCHEMAS, Kind
+from legorl.core.shards import step_ranges
 from legorl.core.shards import summaries as shard_summaries
 from legorl.core.shards.files import JOURNAL_PREFIX, part_files, read_journal, sweep_dead_writers
-from legorl.core.shards.reading import dedupe, read_file
+from legorl.core.shards.reading import dedupe, file_info, read_file
 from legorl.core.shards.writing import fsync_dir, prepare, write_temp
 
 # A merged part's bounds (the sum of its inputs' sizes on disk, and rows); a part at a quarter of
 # either is large enough to stay as it is, which bounds how often a row is rewritten.
 TARGET_BYTES = 128 * 2**20
 TARGET_ROWS = 200_000
-# Rows per row group: the unit a lookup reads (rollout rows hold token arrays, grades a test log).
-ROW_GROUP_ROWS = {Kind.ROLLOUTS: 64, Kind.GRADES: 512, Kind.TASKS: 1024, Kind.METRICS: 65536}
+# A row group, the unit a lookup reads, holds about this many bytes of rows (in memory, Arrow's size;
+# zstd makes it a third to a half of that on disk), and at most ROW_GROUP_MAX_ROWS rows. By bytes, not
+# rows: a synthetic rollout row is 8.8 KB, a real one with a 30k-token segment some 300 KB. Each
+# row group costs about 8.5 KB of footer (57 leaf columns), which every reader of the part parses.
+ROW_GROUP_BYTES = 4 * 2**20
+ROW_GROUP_MAX_ROWS = 65536
 LOCK_NAME = ".compact.lock"
 # (kind, merged part's final path, its temp file, the parts it replaces, their rows as read): a layer
 # above keeps derived data of the merged part (the monitor's summaries) before it is renamed into place
@@ -113,14 +120,30 @@ def compact(
     with file_lock(path / LOCK_NAME):
         recover(path)
         sweep_dead_writers(path)
-        parts = [_Part(p, p.stat().st_size, pq.read_metadata(p).num_rows) for p in part_files(path)]
+        parts = [_Part(p, p.stat().st_size, file_info(p).rows) for p in part_files(path)]  # bad: names it
         for run in plan(parts, target_bytes, target_rows):
             merged, rows, dropped = _merge(path, kind, [p.path for p in run], command, on_merge)
             done.merged.append(merged)
             done.replaced += len(run)
             done.rows += rows
             done.dropped += dropped
+        store_missing_step_ranges(path, kind)
     return done
+
+
+def store_missing_step_ranges(folder: Path, kind: Kind) -> None:
+    """Give each part without a valid step range one, from its step column: the large parts of a run
+    compacted before step ranges existed are never merged again. A part that cannot be read is left
+    as it is (its readers open it, and say what is wrong with it)."""
+    if step_ranges.COLUMN not in SCHEMAS[kind].names:
+        return
+    for part in part_files(folder):
+        if step_ranges.load(part) is None:
+            try:
+                table = read_file(part, kind, columns=[step_ranges.COLUMN])
+            except ShardError:
+                continue
+            step_ranges.store(part, part, table)
 
 
 def recover(folder: Path) -> None:
@@ -137,6 +160,7 @@ def recover(folder: Path) -> None:
         Path(entry.path).unlink(missing_ok=True)
         fsync_dir(folder)
     shard_summaries.sweep(folder)
+    step_ranges.sweep(folder)
 
 
 def _merge(folder: Path, kind: Kind, run: list[Path], command: str | None,
@@ -146,9 +170,10 @@ def _merge(folder: Path, kind: Kind, run: list[Path], command: str | None,
     table = table.sort_by([(c, "ascending") for c in sort_columns(kind)])
     final = folder / merged_name(run[-1].name)
     tmp = write_temp(folder, prepare(folder, kind, table, command or _command(run[-1])),
-                     row_group_size=ROW_GROUP_ROWS[kind])
+                     row_group_size=row_group_rows(table))
     journal = folder / f"{JOURNAL_PREFIX}{final.name}.json"
     try:
+        step_ranges.store(final, tmp, table)
         if on_merge is not None:
             on_merge(kind, final, tmp, run, tables)
         _write_journal(journal, final.name, [p.name for p in run])
@@ -156,6 +181,7 @@ def _merge(folder: Path, kind: Kind, run: list[Path], command: str | None,
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
         journal.unlink(missing_ok=True)
+        step_ranges.remove(folder, [final.name])
         if isinstance(exc, OSError):
             raise ShardError(folder, f"cannot commit a merged part: {exc.strerror or exc}; the parts "
                                      "it would replace are intact") from None
@@ -163,9 +189,16 @@ def _merge(folder: Path, kind: Kind, run: list[Path], command: str | None,
     fsync_dir(folder)
     _remove(folder, [p.name for p in run])
     shard_summaries.remove(folder, [p.name for p in run])
+    step_ranges.remove(folder, [p.name for p in run])
     journal.unlink()
     fsync_dir(folder)
     return final, table.num_rows, dropped
+
+
+def row_group_rows(table: pa.Table) -> int:
+    """Rows per row group of a merged part: :data:`ROW_GROUP_BYTES` of its rows, on average."""
+    per_row = max(1, table.nbytes // max(1, table.num_rows))
+    return max(1, min(ROW_GROUP_MAX_ROWS, ROW_GROUP_BYTES // per_row))
 
 
 def sort_columns(kind: Kind) -> list[str]:

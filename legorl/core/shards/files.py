@@ -91,6 +91,15 @@ def sweep_dead_writers(folder: Path) -> None:
             os.unlink(entry.path)
 
 
+def dead_temp(name: str) -> bool:
+    """Whether ``name`` is a ``<file>.<host>.<pid>.tmp`` temp file of a process of this host that is gone."""
+    parts = name.rsplit(".", 3)
+    if len(parts) != 4 or parts[3] != "tmp":
+        return False
+    _, host, pid, _ = parts
+    return host == HOST and pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid))
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

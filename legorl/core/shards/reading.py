@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from legorl.core.errors import ShardError
 from legorl.core.schemas import KEY_COLUMNS, ROW_CLASSES, SCHEMA_VERSION, SCHEMAS, Kind
+from legorl.core.shards import step_ranges
 from legorl.core.shards.checks import check_rows, conform, first_line
 from legorl.core.shards.files import META_COMMAND, META_KIND, META_VERSION, part_files
 
@@ -282,12 +283,15 @@ def read(
 def _read_listed(
     path: str | os.PathLike[str], kind: Kind, columns: list[str] | None, where: pc.Expression | None
 ) -> tuple[list[Path], list[pa.Table]]:
-    """The folder's part files and their tables; listed again when a compaction replaces a part
-    between the listing and its read (the merged part holds its rows)."""
+    """The folder's part files and their tables (with ``where``: of the parts whose step range does
+    not rule it out); listed again when a compaction replaces a part between the listing and its read
+    (the merged part holds its rows)."""
+    by_step = where is not None and step_ranges.COLUMN in SCHEMAS[kind].names and step_ranges.decides(
+        where, SCHEMAS[kind].field(step_ranges.COLUMN).type)
     for attempt in range(_LIST_ATTEMPTS):
         files = part_files(path)
         try:
-            return files, [read_file(f, kind, columns, where) for f in files]
+            return files, [read_file(f, kind, columns, where) for f in files if not by_step or _may_match(f, kind, where)]
         except Vanished:
             if attempt == _LIST_ATTEMPTS - 1:
                 raise
@@ -297,9 +301,27 @@ def _read_listed(
 _LIST_ATTEMPTS = 5
 
 
+def _may_match(path: Path, kind: Kind, where: pc.Expression) -> bool:
+    """False when the part's stored step range (:mod:`legorl.core.shards.step_ranges`) says no row of
+    it matches ``where`` (a test of the step alone), without opening it; True when one may, or when it
+    has no valid step range."""
+    steps = _step_range(path)
+    return steps is None or steps.may_match(where, SCHEMAS[kind].field(step_ranges.COLUMN).type)
+
+
+def _step_range(path: Path) -> step_ranges.StepRange | None:
+    try:
+        return step_ranges.load(path)
+    except FileNotFoundError as exc:
+        raise Vanished(path, "part file vanished (replaced by a compaction)") from exc
+    except OSError:  # the part is unreadable: opening it says so, naming it
+        return None
+
+
 def latest_step(path: str | os.PathLike[str], kind: Kind, column: str = "step") -> int | None:
     """The largest value of the integer ``column`` in a dataset folder (None: no rows), from each part's
-    row-group statistics (a part written without them is read); a superseded row counts too."""
+    stored step range, else its row-group statistics (a part written without them is read); a
+    superseded row counts too."""
     for attempt in range(_LIST_ATTEMPTS):
         try:
             found = [_column_max(f, kind, column) for f in part_files(path)]
@@ -311,6 +333,9 @@ def latest_step(path: str | os.PathLike[str], kind: Kind, column: str = "step") 
 
 
 def _column_max(path: Path, kind: Kind, column: str) -> int | None:
+    steps = _step_range(path) if column == step_ranges.COLUMN else None
+    if steps is not None:
+        return steps.max
     try:
         meta = pq.read_metadata(path)
     except FileNotFoundError as exc:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from legorl.core.shards.files import HOST, alive
+from legorl.core.shards.files import HOST, dead_temp
 
 FOLDER = ".summaries"
 SUFFIX = ".summary"
@@ -106,8 +106,7 @@ def sweep(folder: Path) -> None:
         if name.endswith(SUFFIX) and not name.startswith("."):
             orphan = not (folder / name.removesuffix(SUFFIX)).exists()
         elif name.startswith(".") and name.endswith(".tmp"):
-            _, host, pid, _ = name.rsplit(".", 3)
-            orphan = host == HOST and pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid))
+            orphan = dead_temp(name)
         else:
             continue
         if orphan:

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from legorl import __version__
 from legorl.core.errors import ShardError
 from legorl.core.schemas import SCHEMA_VERSION, SCHEMAS, SEGMENT_TYPE, Kind, _Row
+from legorl.core.shards import step_ranges
 from legorl.core.shards.checks import check_rows
 from legorl.core.shards.files import (
     HOST,
@@ -108,10 +109,12 @@ def write_table(
     sweep_dead_writers(folder)
     final = folder / new_part_name()
     tmp = write_temp(folder, table, name=final.name)
+    step_ranges.store(final, tmp, table)  # before the part: a reader may use it from the rename on
     try:
         os.replace(tmp, final)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
+        step_ranges.remove(folder, [final.name])
         raise _commit_error(folder, exc) from None
     fsync_dir(folder)
     return final
