@@ -95,3 +95,51 @@ def test_a_suspended_generator_of_code_outside_the_tree_is_a_finding(tmp_path: P
         frame = walk.gi_frame
         """)
     assert found == ["object.__getattr__ gi_frame at mod.py:5"]
+
+
+SNAPSHOT_DRIVER = """
+import importlib.util, json, sys, types
+sys.path.insert(0, {package_parent!r})
+import unittest.util
+from sandboxed import guard
+before, dirs = guard.runner_objects(), guard.runner_dirs()
+{change}
+print(json.dumps(guard.changed_objects(before, dirs)))
+"""
+
+# What code under test does to the runner's modules -> what the identity snapshot must report
+SNAPSHOT_CASES = {
+    # a stand-in in sys.modules, then the real module rewired: the snapshot's lookups went by name
+    "a stand-in hides the real module": ("""
+        real = sys.modules["unittest.util"]
+        stand_in = types.ModuleType("unittest.util")
+        stand_in.__dict__.update(vars(real))
+        sys.modules["unittest.util"] = stand_in
+        real.safe_repr = lambda obj, short=False: "forged"
+        """, ["unittest.util.safe_repr"]),
+    # the runner's own code, run on globals the code under test chose: a second copy of its module...
+    "a second copy of a runner module": ("""
+        spec = importlib.util.spec_from_file_location("copy_of_guard", guard.__file__)
+        copy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(copy)
+        guard.foreign_plugins = copy.foreign_plugins
+        """, ["sandboxed.guard.foreign_plugins"]),
+    # ... or a function made from its code with other globals
+    "a runner function with other globals": ("""
+        guard.foreign_plugins = types.FunctionType(guard.foreign_plugins.__code__, dict(vars(guard)))
+        """, ["sandboxed.guard.foreign_plugins"]),
+    # the runner rebinding its own functions (pytest does: its assertion helpers per test) is no finding
+    "the runner's own function in its own module": ("""
+        unittest.util.safe_repr = unittest.util.strclass
+        """, []),
+    "nothing changed": ("", []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SNAPSHOT_CASES))
+def test_the_identity_snapshot_sees_the_runner_rewired(case: str) -> None:
+    change, expected = SNAPSHOT_CASES[case]
+    driver = SNAPSHOT_DRIVER.format(package_parent=str(Path(guard.__file__).parent.parent),
+                                    change=textwrap.dedent(change))
+    out = subprocess.run([sys.executable, "-I", "-c", driver], capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected

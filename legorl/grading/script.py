@@ -104,9 +104,11 @@ RUNNER_FILES = ("__init__.py", "runner.py", "guard.py")
 
 def launch(folder: str, module: str, package: str = PACKAGE) -> str:
     """The ``python3 -I -c`` code that runs ``package.module`` as ``__main__`` from ``folder`` (the
-    package's parent): ``-I`` puts no folder of ours on ``sys.path``, so the launcher adds it to import
-    the package and takes it off again before the module runs (its siblings come through the package)."""
-    return (f"import runpy, sys; sys.path.insert(0, {folder!r}); import {package}; del sys.path[0]; "
+    package's parent). ``-I`` puts no folder of ours on ``sys.path``: the launcher puts ``folder`` first
+    to import the package, then moves it to the end, where it shadows nothing and a ``spawn`` or
+    ``forkserver`` child of the tests can still import ``__main__`` by its name (with the folder taken
+    off, every such child died and a pool waited for the grade's timeout, the gold patch's included)."""
+    return (f"import runpy, sys; sys.path.insert(0, {folder!r}); import {package}; sys.path.append(sys.path.pop(0)); "
             f"runpy.run_module('{package}.{module}', run_name='__main__', alter_sys=True)")
 
 

@@ -30,7 +30,7 @@ _MISSING = object()
 # Audit events (PEP 578) the patch's own code has no business raising while its tests run. "exec" and
 # "compile" count only when the patch's line calls them directly (the standard library execs on behalf
 # of pristine code, e.g. dataclasses); the others when the nearest frame in the tree is the patch's.
-CALL_EVENTS = frozenset({"exec", "compile", "marshal.loads", "code.__new__"})
+CALL_EVENTS = frozenset({"exec", "compile", "marshal.loads", "code.__new__", "function.__new__"})
 STACK_EVENTS = frozenset({"sys.settrace", "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
                           "sys._current_frames", "sys.addaudithook"})
 SETATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
@@ -208,24 +208,39 @@ class Guard:
         return out
 
 
-def runner_objects() -> dict[tuple[str, ...], object]:
-    """Every function and class of the runner's modules, and the methods of those classes.
+class RunnerSnapshot:
+    """The runner's objects as they were before the repository was importable: its modules (the module
+    objects themselves: a stand-in put in ``sys.modules`` hides nothing), every function and class of
+    them and the methods of those classes, and which namespace each module file's code runs in."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, types.ModuleType] = {}
+        self.objects: dict[tuple[str, ...], object] = {}
+        self.namespaces: dict[str, dict[str, Any]] = {}  # a module's file -> that module's namespace
+
+
+def runner_objects() -> RunnerSnapshot:
+    """The runner's snapshot (:class:`RunnerSnapshot`).
 
     Taken before the repository is importable and compared (by identity) after collection and at
     the end of the session: code under test that swaps any of them has rewired the runner.
     """
-    out: dict[tuple[str, ...], object] = {}
+    out = RunnerSnapshot()
     for name, mod in list(sys.modules.items()):
         if mod is None or name.split(".")[0] not in RUNNER_PACKAGES:
             continue
+        out.modules[name] = mod
+        path = getattr(mod, "__file__", None)
+        if isinstance(path, str):
+            out.namespaces.setdefault(path, vars(mod))
         for attr, value in list(vars(mod).items()):
             if isinstance(value, type) and getattr(value, "__module__", "").split(".")[0] in RUNNER_PACKAGES:
-                out[(name, attr)] = value
+                out.objects[(name, attr)] = value
                 for key, member in list(vars(value).items()):
                     if callable(member) or isinstance(member, (staticmethod, classmethod, property)):
-                        out[(name, attr, key)] = member
+                        out.objects[(name, attr, key)] = member
             elif callable(value):
-                out[(name, attr)] = value
+                out.objects[(name, attr)] = value
     return out
 
 
@@ -240,31 +255,37 @@ def runner_dirs() -> tuple[str, ...]:
     return tuple(out)
 
 
-def _runner_code(value: object, dirs: tuple[str, ...]) -> bool:
-    """Whether ``value`` is a function whose code lives in the runner's own packages (pytest's plugins
-    patch pytest too). Decided by the code's file, never by a ``__module__`` anyone can set."""
+def _runner_code(value: object, dirs: tuple[str, ...], namespaces: dict[str, dict[str, Any]]) -> bool:
+    """Whether ``value`` is a function of the runner's own packages (pytest's plugins patch pytest too):
+    its code's file is theirs, never a ``__module__`` anyone can set, and it runs in the namespace of
+    the module loaded from that file (a second copy of a runner module, imported again or made with
+    other globals, runs the runner's code on globals the code under test chose)."""
     for attr in ("fget", "__func__"):  # property, staticmethod, classmethod
         value = getattr(value, attr, None) or value
-    code = getattr(value, "__code__", None)
-    return isinstance(getattr(code, "co_filename", None), str) and code.co_filename.startswith(dirs)  # type: ignore[union-attr]
+    path = getattr(getattr(value, "__code__", None), "co_filename", None)
+    if not isinstance(path, str) or not path.startswith(dirs):
+        return False
+    owner = namespaces.get(path)
+    return owner is None or getattr(value, "__globals__", None) is owner
 
 
-def changed_objects(before: dict[tuple[str, ...], object], dirs: tuple[str, ...]) -> list[str]:
+def changed_objects(before: RunnerSnapshot, dirs: tuple[str, ...]) -> list[str]:
     """The runner objects that were replaced by (or removed for) something not of the runner's own, and
     members added to the runner's classes that are not the runner's own (a new property can shadow an
-    inherited one)."""
+    inherited one). Looked up in the modules the snapshot took, not by name."""
     out = []
-    classes = {k[:2] for k in before if len(k) == 3}  # the runner's own classes, whose members were taken
-    for key, value in before.items():
-        holder: object = sys.modules.get(key[0], _MISSING)
+    ours = before.namespaces
+    classes = {k[:2] for k in before.objects if len(k) == 3}  # the runner's own classes, whose members were taken
+    for key, value in before.objects.items():
+        holder: object = before.modules.get(key[0], _MISSING)
         for part in key[1:]:
             holder = vars(holder).get(part, _MISSING) if holder is not _MISSING else _MISSING
-        if holder is not value and (holder is _MISSING or not _runner_code(holder, dirs)):
+        if holder is not value and (holder is _MISSING or not _runner_code(holder, dirs, ours)):
             out.append(".".join(key))
         if len(key) == 2 and isinstance(value, type) and holder is value and key in classes:
             for member, new in list(vars(value).items()):
-                if (key[0], key[1], member) not in before and (callable(new) or isinstance(
-                        new, (staticmethod, classmethod, property))) and not _runner_code(new, dirs):
+                if (key[0], key[1], member) not in before.objects and (callable(new) or isinstance(
+                        new, (staticmethod, classmethod, property))) and not _runner_code(new, dirs, ours):
                     out.append(".".join((*key, member)))
     return out
 

@@ -34,6 +34,7 @@ from typing import Any
 from .guard import (
     REPORT_HOOKS,
     Guard,
+    RunnerSnapshot,
     changed_objects,
     foreign_plugins,
     runner_dirs,
@@ -78,7 +79,7 @@ def status_of(report: object) -> str | None:
     return None
 
 class Recorder:
-    def __init__(self, nonce: str, report: ReportChannel, pristine: dict[tuple[str, ...], object],
+    def __init__(self, nonce: str, report: ReportChannel, pristine: RunnerSnapshot,
                  guard: Guard) -> None:
         self.nonce, self.report, self.pristine, self.guard = nonce, report, pristine, guard
         self.dirs = runner_dirs()
