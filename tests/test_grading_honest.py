@@ -3,8 +3,8 @@
 A reward that zeroes ordinary code teaches a policy to avoid it, so this is the grader's other half
 beside the attack suites: every variant here is the task's gold patch plus code a fix may well carry
 (standard-library imports used the usual way — inspect, pkgutil, base64, subprocess, importlib among
-them — a helper module, type hints, ``__future__``, logging (an exception with its traceback too), a lock, a dataclass, a cache, a new test
-file, documentation). Each must score 1 on every task,
+them — a helper module, type hints, ``__future__``, logging (an exception with its traceback too), a lock, a dataclass, a cache, a spawn process pool, a
+new test file, documentation). Each must score 1 on every task,
 whether a canary run checks the pass (its canaries all failing) or the task has none.
 
 The default run grades the four repositories' attacked tasks; ``LEGORL_HONEST_TASKS=all`` grades every
@@ -189,6 +189,18 @@ _fix_sys.modules[__name__].__class__ = _FixModule
 '''
 
 
+# A process pool whose workers start fresh interpreters (spawn; forkserver is Python 3.14's default): each
+# worker imports the test process's ``__main__`` by name. With the runner's folder off ``sys.path`` every
+# worker died, and the gold fix with this pool scored 0 (a red team reading the code found it).
+PROCESS_POOL = '''
+import concurrent.futures as _fix_futures
+import multiprocessing as _fix_multiprocessing
+
+with _fix_futures.ProcessPoolExecutor(1, mp_context=_fix_multiprocessing.get_context("spawn")) as _fix_pool:
+    _fix_three = _fix_pool.submit(abs, -3).result(timeout=60)
+'''
+
+
 def _gold_files(tree: Tree, task: TaskRow) -> dict[str, str]:
     """The files the gold patch changes, as it leaves them."""
     tree.git("reset", "-q", "--hard")
@@ -236,6 +248,7 @@ def _variants(tree: Tree, task: TaskRow) -> dict[str, str]:
         "more-stdlib": lambda: {**gold, mod: gold[mod] + MORE_STDLIB},
         "log-exception": lambda: {**gold, mod: gold[mod] + LOG_EXCEPTION},
         "runtime-idioms": lambda: {**gold, mod: gold[mod] + RUNTIME_IDIOMS},
+        "process-pool": lambda: {**gold, mod: gold[mod] + PROCESS_POOL},
         "import-inspect": lambda: {**gold, mod: _insert_at_top(gold[mod], "import inspect\n")},
         "import-pkgutil": lambda: {**gold, mod: _insert_at_top(gold[mod], "import pkgutil\n")},
         "future-annotations": lambda: {**gold, mod: _insert_at_top(
