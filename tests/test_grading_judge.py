@@ -149,3 +149,17 @@ def test_screen_sees_only_added_lines(trees: tuple[Path, Path]) -> None:
     _write(pristine, "src/pkg/core.py", "import subprocess\n" + PRISTINE["src/pkg/core.py"])
     _write(tree, "src/pkg/core.py", "import subprocess\n" + FIX + "# pytest is mentioned in a comment\n")
     assert _judge(pristine, tree)["suspicious"] == []
+
+
+def test_past_the_findings_cap_a_file_s_own_lines_stay_its_own(trees: tuple[Path, Path]) -> None:
+    """The screen stops at its cap of findings, but which lines the patch added is still read for every
+    file: with every line of the next file counted as the patch's, its untouched code that reads frames
+    (semver's own deprecation helper does) became a finding of the patch's (a red team, reading the code)."""
+    pristine, tree = trees
+    flagged = "".join(f"PATTERN_{i} = compile(r'{i}')\n" for i in range(judge_mod.MAX_FINDINGS + 1))
+    _write(tree, "src/pkg/core.py", FIX + flagged)
+    _write(pristine, "src/pkg/zlast.py", "import inspect\n\nCALLER = inspect.currentframe()\n")
+    _write(tree, "src/pkg/zlast.py", "import inspect\n\nCALLER = inspect.currentframe()\nFIXED = True\n")
+    result = _judge(pristine, tree)
+    assert len(result["suspicious"]) == judge_mod.MAX_FINDINGS + 1  # type: ignore[arg-type]  # the cap, and a count
+    assert result["added"]["src/pkg/zlast.py"] == [4]  # type: ignore[index]

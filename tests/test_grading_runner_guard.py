@@ -69,6 +69,72 @@ HONEST = {
 }
 
 
+# Ordinary code a second red team (reading the code) found the tripwires took for rewiring
+HONEST.update({
+    "a traceback's frames cleared": """
+        import traceback
+        try:
+            raise ValueError("x")
+        except ValueError as exc:
+            traceback.clear_frames(exc.__traceback__)
+        """,
+    "a stack summary of a traceback": """
+        import traceback
+        try:
+            raise ValueError("x")
+        except ValueError as exc:
+            summary = traceback.StackSummary.extract(traceback.walk_tb(exc.__traceback__))
+        """,
+    "asyncio logging a task's unretrieved exception": """
+        import asyncio
+        import gc
+
+        async def fail():
+            raise ValueError("x")
+
+        async def main():
+            asyncio.ensure_future(fail())
+            await asyncio.sleep(0)
+
+        asyncio.run(main())
+        gc.collect()
+        """,
+    "a zip file read as a path": """
+        import io
+        import zipfile
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as zf:
+            zf.writestr("a/b.txt", "x")
+        names = [p.name for p in zipfile.Path(zipfile.ZipFile(buf)).iterdir()]
+        """,
+    "a namedtuple's defaults set the old way": """
+        import collections
+        Point = collections.namedtuple("Point", "x y")
+        Point.__new__.__defaults__ = (None, None)
+        """,
+})
+
+# ... and what the same rules must still see
+FOUND = {
+    "a traceback's frame taken by hand": """
+        import traceback
+        try:
+            raise ValueError("x")
+        except ValueError as exc:
+            frame, line = next(traceback.walk_tb(exc.__traceback__))
+        """,
+    "a standard-library function's defaults replaced": """
+        import textwrap
+        textwrap.indent.__defaults__ = (lambda line: True,)
+        """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOUND))
+def test_a_frame_or_a_default_of_someone_else_is_a_finding(tmp_path: Path, case: str) -> None:
+    assert findings(tmp_path, FOUND[case])
+
+
 @pytest.mark.parametrize("case", sorted(HONEST))
 def test_a_frame_without_a_caller_is_no_finding(tmp_path: Path, case: str) -> None:
     assert findings(tmp_path, HONEST[case]) == []

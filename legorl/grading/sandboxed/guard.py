@@ -39,6 +39,7 @@ SETATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
 # deprecation pattern). __module__/__qualname__/__name__ are nobody's business: every check judges code by
 # its file, and honest factories and decorators set them.
 SPOOF_ATTRS = frozenset({"__code__", "__globals__", "__class__", "__defaults__", "__kwdefaults__"})
+DEFAULTS_ATTRS = frozenset({"__defaults__", "__kwdefaults__"})
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"})
 # a generator's, coroutine's or async generator's frame attribute -> (its "running" flag, its code)
 SUSPENDABLE = {"gi_frame": ("gi_running", "gi_code"), "cr_frame": ("cr_running", "cr_code"),
@@ -51,7 +52,8 @@ FRAME_WALKERS = ("traceback.py", "inspect.py", "asyncio/base_tasks.py")
 # 0 on a frame read; another's with ``inspect.getgeneratorstate``)
 TEXT_FROM_FRAMES = frozenset({"format_exc", "print_exc", "format_exception", "print_exception", "format_tb",
                               "print_tb", "extract_tb", "format_stack", "print_stack", "extract_stack", "print_last",
-                              "from_exception", "__init__"})  # TracebackException keeps summaries, no frames
+                              "from_exception", "__init__",  # TracebackException keeps summaries, no frames
+                              "extract", "clear_frames"})  # StackSummary.extract(walk_tb(tb)); frames cleared
 STATE_FROM_FRAMES = frozenset({"getgeneratorstate", "getcoroutinestate", "getasyncgenstate"})
 # ctypes loading a library (``import ctypes`` does, so does ``ctypes.util.find_library``) reads no memory
 CTYPES_HARMLESS = frozenset({"ctypes.dlopen", "ctypes.dlsym"})
@@ -87,6 +89,11 @@ class Guard:
         self._traceback, self._logging, self._inspect = traceback.__file__, logging.__file__, inspect.__file__
         # multiprocessing.Value/Array make their shared memory with ctypes, on memory they allocate
         self._sharedctypes = os.path.join(os.path.dirname(os.__file__), "multiprocessing", "sharedctypes.py")
+        import zipfile
+
+        # zipfile.Path makes a ZipFile its own subclass (``source.__class__ = CompleteDirs``, 3.10+)
+        self._zipfile_class = zipfile.ZipFile
+        self._zipfile_path = getattr(sys.modules.get(zipfile.Path.__module__), "__file__", None)
         import builtins
 
         self._builtins = builtins
@@ -134,10 +141,12 @@ class Guard:
             elif event in SETATTR_EVENTS:
                 target, name = args[0], str(args[1]) if len(args) > 1 else ""
                 if name == "__class__" and not isinstance(target, types.ModuleType):
-                    self._stack(f"{event} {name}", self._getframe(1))  # mock.patch.object would set it for the patch
+                    if not self._zip_directories(target):
+                        self._stack(f"{event} {name}", self._getframe(1))  # mock.patch.object would set it for the patch
                 elif name in SPOOF_ATTRS and not (isinstance(target, types.ModuleType)
                                                   and str(target.__name__).split(".")[0] not in WATCHED):
-                    self._direct(f"{event} {name}", self._getframe(1))
+                    if not (name in DEFAULTS_ATTRS and self._own_function(target)):
+                        self._direct(f"{event} {name}", self._getframe(1))
                 elif isinstance(target, type) and str(getattr(target, "__module__", "")).split(".")[0] in WATCHED:
                     self._stack(f"{event} {getattr(target, '__name__', '')}.{name}", self._getframe(1))
             elif event in STACK_EVENTS or (event.startswith("ctypes.") and event not in CTYPES_HARMLESS):
@@ -148,6 +157,19 @@ class Guard:
             pass
         finally:
             self._inside.discard(me)
+
+    def _zip_directories(self, target: object) -> bool:
+        """zipfile's own code giving a ZipFile the subclass that lists its folders (``zipfile.Path``)."""
+        caller = self._getframe(2)
+        return (isinstance(target, self._zipfile_class) and caller is not None
+                and caller.f_code.co_filename == self._zipfile_path)
+
+    def _own_function(self, target: object) -> bool:
+        """A function of the tree's, or one made from a string (a namedtuple's ``__new__``): its defaults
+        are the tree's business (``Point.__new__.__defaults__ = ...``, an old namedtuple idiom, scored 0);
+        the runner's and the standard library's functions are not."""
+        path = getattr(getattr(target, "__code__", None), "co_filename", None)
+        return isinstance(path, str) and (path.startswith(self.tree) or path.startswith("<"))
 
     def _own_suspended(self, obj: object, attr: object) -> bool:
         """The frame of a generator (or coroutine) of the tree's own code that is not running: it has no
@@ -160,19 +182,23 @@ class Guard:
         return isinstance(path, str) and path.startswith(self.tree)
 
     def _only_text(self, reader: types.FrameType | None) -> bool:
-        """The frame is read by the standard ``traceback`` module for a call from the tree that gets
-        text back: ``traceback.format_exc()`` and its kin, or a ``logging`` call formatting an exception."""
+        """The frame is read by the standard ``traceback`` or ``inspect`` module for a call from the tree
+        that gets text back: somewhere between the reader and the nearest frame of the tree is
+        ``traceback.format_exc()`` or its kin, a ``logging`` call formatting an exception, or a question
+        about a generator's state. Any such call on the way turns the frames into text before anything
+        reaches the tree (asyncio logging a task's unretrieved exception is ``asyncio.run`` outermost,
+        ``logging.error`` inside it; a red team's honest fix scored 0 on it)."""
         if reader is None or reader.f_code.co_filename not in (self._traceback, self._inspect):
             return False
-        entry = reader
-        while entry.f_back is not None and not entry.f_back.f_code.co_filename.startswith(self.tree):
-            entry = entry.f_back
-        if entry.f_back is None:
-            return False
-        code = entry.f_code
-        return ((code.co_filename == self._traceback and code.co_name in TEXT_FROM_FRAMES)
-                or (code.co_filename == self._inspect and code.co_name in STATE_FROM_FRAMES)
-                or (code.co_filename == self._logging and code.co_name in LOGGING_CALLS))
+        frame: types.FrameType | None = reader
+        text = False
+        while frame is not None and not frame.f_code.co_filename.startswith(self.tree):
+            code = frame.f_code
+            text = text or ((code.co_filename == self._traceback and code.co_name in TEXT_FROM_FRAMES)
+                            or (code.co_filename == self._inspect and code.co_name in STATE_FROM_FRAMES)
+                            or (code.co_filename == self._logging and code.co_name in LOGGING_CALLS))
+            frame = frame.f_back
+        return text and frame is not None
 
     def _direct(self, what: str, frame: types.FrameType | None) -> None:
         if frame is not None and self.patch_code(frame):

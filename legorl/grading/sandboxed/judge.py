@@ -299,14 +299,15 @@ def judge(tree: str, pristine: str, hidden: list[str], gold: list[str] | None = 
             suspicious.append(f"{rel}:0: too large to screen")
             added[rel] = None
             continue
-        if time.monotonic() > deadline or len(suspicious) >= MAX_FINDINGS:
-            added[rel] = None  # unscreened: every line counts as the patch's for the runner's tripwire
+        if time.monotonic() > deadline:
+            added[rel] = None  # unread: every line counts as the patch's for the runner's tripwire
             continue
         old = os.path.join(pristine, rel)
         numbers, lines, encoding = added_lines(_read(os.path.join(tree, rel)),
                                                _read(old) if os.path.isfile(old) and not os.path.islink(old) else None)
-        added[rel] = numbers
-        suspicious += screen(rel, numbers, lines, encoding)
+        added[rel] = numbers  # past the findings cap too: a file's own old lines never become the patch's
+        if len(suspicious) < MAX_FINDINGS:
+            suspicious += screen(rel, numbers, lines, encoding)
     if len(suspicious) > MAX_FINDINGS:
         suspicious = [*suspicious[:MAX_FINDINGS], f"... {len(suspicious) - MAX_FINDINGS} more findings"]
     return {"reset": reset, "changed": kept, "suspicious": suspicious, "added": added}
