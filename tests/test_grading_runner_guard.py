@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from legorl.grading.sandboxed import guard
+from legorl.grading.script import launch
 
 DRIVER = """
 import json, sys
@@ -209,3 +210,45 @@ def test_the_identity_snapshot_sees_the_runner_rewired(case: str) -> None:
                                     change=textwrap.dedent(change))
     out = subprocess.run([sys.executable, "-I", "-c", driver], capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
+
+
+def runner_report(tmp_path: Path, test_file: str) -> dict[str, object]:
+    """The runner's report of one test file, the runner started as the grading container starts it (here
+    on the host's interpreter and pytest, the whole file counted as the patch's)."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "test_it.py").write_text(textwrap.dedent(test_file))
+    changes = tmp_path / "changes.json"
+    changes.write_text(json.dumps({"test_it.py": None}))
+    report = tmp_path / "report.json"
+    code = launch(str(Path(guard.__file__).parent.parent), "runner", package="sandboxed")
+    with open(report, "ab") as channel:
+        fd = channel.fileno()
+        subprocess.run([sys.executable, "-I", "-c", code, str(fd), str(changes), "-q", "-p", "no:cacheprovider"],
+                       input="nonce\n", text=True, cwd=tree, pass_fds=(fd,), capture_output=True, timeout=120)
+    return dict(json.loads(report.read_text()))
+
+
+def test_a_test_that_patches_a_builtin_with_monkeypatch_is_no_finding(tmp_path: Path) -> None:
+    report = runner_report(tmp_path, """
+        import builtins
+
+        def ask():
+            return input("continue? ")
+
+        def test_answer(monkeypatch):
+            monkeypatch.setattr(builtins, "input", lambda *_: "y")
+            assert ask() == "y"
+        """)
+    assert (report["statuses"], report["tampered"]) == ({"test_it.py::test_answer": "PASSED"}, [])
+
+
+def test_a_builtin_left_replaced_is_a_finding(tmp_path: Path) -> None:
+    report = runner_report(tmp_path, """
+        import builtins
+
+        def test_answer():
+            builtins.input = lambda *_: "y"
+            assert input() == "y"
+        """)
+    assert report["tampered"] == ["builtins.input replaced"]

@@ -128,7 +128,9 @@ class Recorder:
 
     def pytest_runtest_logreport(self, report: object, _foreign: Any = foreign_plugins) -> None:
         if not self.tampered:  # a hook added and removed again while the tests run is seen here
-            self.tampered = (self.guard.check() + _foreign(self.config, os.getcwd(), REPORT_HOOKS))[:20]
+            # builtins only after a test's teardown, once its fixtures (monkeypatch) have been undone
+            builtins = getattr(report, "when", "") == "teardown"
+            self.tampered = (self.guard.check(builtins) + _foreign(self.config, os.getcwd(), REPORT_HOOKS))[:20]
         status = status_of(report)
         if status is None:
             return
