@@ -163,3 +163,22 @@ def test_past_the_findings_cap_a_file_s_own_lines_stay_its_own(trees: tuple[Path
     result = _judge(pristine, tree)
     assert len(result["suspicious"]) == judge_mod.MAX_FINDINGS + 1  # type: ignore[arg-type]  # the cap, and a count
     assert result["added"]["src/pkg/zlast.py"] == [4]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("gold", ["mod.py", "src/nspkg/mod.py"])
+def test_a_helper_beside_a_fix_outside_any_package_is_kept(tmp_path: Path, gold: str) -> None:
+    """A single-module library's fix, or a namespace package's, with a helper module beside it: the fix
+    lives at the top, so a new module there is ordinary (reset, the fix's import failed and every test
+    with it: a red team, reading the code). One that shadows a module still goes back."""
+    pristine, tree = tmp_path / "pristine", tmp_path / "testbed"
+    folder = gold.rpartition("/")[0]
+    helper, shadow = (f"{folder}/_mod_helpers.py", f"{folder}/json.py") if folder else ("_mod_helpers.py", "json.py")
+    for root in (pristine, tree):
+        _write(root, gold, "def add(a, b):\n    return a - b\n")
+        _write(root, "tests/test_mod.py", "from mod import add\n")
+    _write(tree, gold, "from _mod_helpers import plus\n\ndef add(a, b):\n    return plus(a, b)\n")
+    _write(tree, helper, "def plus(a, b):\n    return a + b\n")
+    _write(tree, shadow, "")
+    result = judge_mod.judge(str(tree), str(pristine), ["tests/test_mod.py"], gold=[gold])
+    assert result["reset"] == [[shadow, "shadows the module 'json'"]]
+    assert sorted(result["changed"]) == sorted([gold, helper])  # type: ignore[arg-type]

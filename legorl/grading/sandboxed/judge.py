@@ -22,9 +22,10 @@ This is the one place these rules live (docs/threat-model.md points here):
 - new top-level modules (outside any package: a folder without ``__init__.py`` may be on
   ``sys.path``), above all those named like a standard-library module or anything installed in
   the image (the runner, its dependencies). A fix lives in the package; a new module at the top is a
-  reproduction script, or a way around the screen below. With ``"top_level_modules": true`` in the
-  config (a Harbor task's WORKDIR, usually a flat folder, where a new module is the usual shape of a
-  solution) only those that shadow a module are put back.
+  reproduction script, or a way around the screen below. Where the fix itself lives at the top (the
+  gold patch changes a module outside any package: a single-module library, a namespace package), or
+  with ``"top_level_modules": true`` in the config (a Harbor task's WORKDIR, usually a flat folder),
+  a new helper module beside it is the usual shape of a fix: only those that shadow a module go back.
 
 Then it screens the Python lines the patch added outside the tests for code that reaches into
 the test runner or the interpreter (:mod:`.screen`, a tripwire); findings go on the grade row.
@@ -149,6 +150,9 @@ class Rules:
                                    if d and os.path.basename(d).lower().startswith(TEST_DIR_PREFIX))
         self._names: frozenset[str] | None = None
         self.support = support_modules(pristine, before, self.hidden_dirs - self.test_dirs, self.hidden, gold)
+        self.top_level_modules = top_level_modules or any(  # (a packaging script is no fix's home)
+            self._top_level(rel) for rel in gold if rel.endswith(".py") and rel not in self.hidden
+            and os.path.basename(rel) not in ("setup.py", "conftest.py", "noxfile.py"))
 
     def why(self, rel: str) -> str | None:
         parts = rel.split("/")
