@@ -108,6 +108,15 @@ HONEST.update({
             zf.writestr("a/b.txt", "x")
         names = [p.name for p in zipfile.Path(zipfile.ZipFile(buf)).iterdir()]
         """,
+    "a dataclass of a script a test runs as __main__": """
+        import dataclasses
+
+        class Args:  # as runpy.run_module(..., run_name="__main__") makes it
+            name: str = "x"
+
+        Args.__module__ = "__main__"
+        Args = dataclasses.dataclass(Args)  # no docstring: dataclasses sets __doc__
+        """,
     "a namedtuple's defaults set the old way": """
         import collections
         Point = collections.namedtuple("Point", "x y")

@@ -89,6 +89,10 @@ class Guard:
         self._traceback, self._logging, self._inspect = traceback.__file__, logging.__file__, inspect.__file__
         # multiprocessing.Value/Array make their shared memory with ctypes, on memory they allocate
         self._sharedctypes = os.path.join(os.path.dirname(os.__file__), "multiprocessing", "sharedctypes.py")
+        # __main__ is the runner, and any script a test runs in-process (runpy): only the runner's own
+        # classes there are the runner's (a dataclass made in a module run as __main__ sets its __doc__)
+        main = sys.modules.get("__main__")
+        self._main_classes = [v for v in list(vars(main).values()) if isinstance(v, type)] if main else []
         import zipfile
 
         # zipfile.Path makes a ZipFile its own subclass (``source.__class__ = CompleteDirs``, 3.10+)
@@ -147,7 +151,7 @@ class Guard:
                                                   and str(target.__name__).split(".")[0] not in WATCHED):
                     if not (name in DEFAULTS_ATTRS and self._own_function(target)):
                         self._direct(f"{event} {name}", self._getframe(1))
-                elif isinstance(target, type) and str(getattr(target, "__module__", "")).split(".")[0] in WATCHED:
+                elif isinstance(target, type) and self._runner_class(target):
                     self._stack(f"{event} {getattr(target, '__name__', '')}.{name}", self._getframe(1))
             elif event in STACK_EVENTS or (event.startswith("ctypes.") and event not in CTYPES_HARMLESS):
                 caller = self._getframe(1)
@@ -157,6 +161,12 @@ class Guard:
             pass
         finally:
             self._inside.discard(me)
+
+    def _runner_class(self, target: type) -> bool:
+        root = str(getattr(target, "__module__", "")).split(".")[0]
+        if root == "__main__":
+            return any(target is c for c in self._main_classes)
+        return root in WATCHED
 
     def _zip_directories(self, target: object) -> bool:
         """zipfile's own code giving a ZipFile the subclass that lists its folders (``zipfile.Path``)."""
