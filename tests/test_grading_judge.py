@@ -182,3 +182,28 @@ def test_a_helper_beside_a_fix_outside_any_package_is_kept(tmp_path: Path, gold:
     result = judge_mod.judge(str(tree), str(pristine), ["tests/test_mod.py"], gold=[gold])
     assert result["reset"] == [[shadow, "shadows the module 'json'"]]
     assert sorted(result["changed"]) == sorted([gold, helper])  # type: ignore[arg-type]
+
+
+def test_old_code_wrapped_in_a_new_block_stays_the_old_code(trees: tuple[Path, Path]) -> None:
+    """Lines re-indented (wrapped in a ``try:``) are the old lines: counted as added, the file's own frame
+    read became the patch's (a red team, reading the code)."""
+    pristine, tree = trees
+    _write(pristine, "src/pkg/where.py", "import inspect\nCALLER = inspect.currentframe()\n")
+    _write(tree, "src/pkg/where.py", "import inspect\ntry:\n    CALLER = inspect.currentframe()\n"
+                                     "except AttributeError:\n    CALLER = None\n")
+    result = _judge(pristine, tree)
+    assert result["added"]["src/pkg/where.py"] == [2, 4, 5]  # type: ignore[index]
+    assert result["suspicious"] == []
+
+
+def test_a_data_file_that_starts_like_a_windows_executable_is_data(trees: tuple[Path, Path]) -> None:
+    pristine, tree = trees
+    _write(tree, "src/pkg/core.py", FIX)
+    _write(tree, "src/pkg/countries.csv", "MZ,Mozambique\nNA,Namibia\n")
+    pe = bytearray(b"MZ" + b"\0" * 126)
+    pe[0x3C:0x40] = (0x40).to_bytes(4, "little")
+    pe[0x40:0x44] = b"PE\0\0"
+    (tree / "src/pkg/helper.exe").write_bytes(bytes(pe))
+    result = _judge(pristine, tree)
+    assert result["reset"] == [["src/pkg/helper.exe", "native code"]]
+    assert "src/pkg/countries.csv" in result["changed"]  # type: ignore[operator]

@@ -53,7 +53,7 @@ SITE_HOOKS = frozenset({"sitecustomize.py", "usercustomize.py"})
 METADATA_SUFFIXES = (".dist-info", ".egg-info", ".egg-link", ".egg")
 MODULE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".so", ".pyd")
 NATIVE_SUFFIXES = (".so", ".pyd", ".dylib", ".dll", ".o", ".a")
-NATIVE_MAGIC = (b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"\xca\xfe\xba\xbe")
+NATIVE_MAGIC = (b"\x7fELF", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"\xca\xfe\xba\xbe")
 TEST_DIR_PREFIX = "test"  # directories named test, tests, testing, test_utils, ...
 MAX_ENTRIES = 200_000
 MAX_SCREEN_BYTES = 2_000_000
@@ -104,7 +104,11 @@ def _is_native(path: str) -> bool:
     """An executable or a shared library (it runs code no screen reads), by its first bytes."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        head = os.read(fd, 4)
+        head = os.read(fd, 64)
+        if head.startswith(b"MZ"):  # a Windows executable has its PE header where 0x3C points (a CSV of
+            # countries that starts "MZ,Mozambique" is data: it was put back as native code)
+            at = int.from_bytes(head[0x3C:0x40], "little") if len(head) >= 0x40 else -1
+            return at >= 0 and os.pread(fd, 4, at) == b"PE\0\0"
     finally:
         os.close(fd)
     return head.startswith(NATIVE_MAGIC)

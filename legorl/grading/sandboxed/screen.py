@@ -61,11 +61,14 @@ def added_lines(new_file: bytes, old_file: bytes | None) -> tuple[list[int], lis
     (a line diff is quadratic in what a patch adds, and the patch decides how much that is).
     """
     new, encoding = _source(new_file)
-    left = Counter(_source(old_file)[0] if old_file is not None else [])
+    # by their text without the indentation: code wrapped in a new ``try:`` is the old code (its own
+    # frame reads re-indented became the patch's); moving lines was already the old lines
+    left = Counter(line.strip() for line in (_source(old_file)[0] if old_file is not None else []))
     numbers: list[int] = []
     for n, line in enumerate(new, 1):
-        if left[line] > 0:
-            left[line] -= 1
+        key = line.strip()
+        if left[key] > 0:
+            left[key] -= 1
         else:
             numbers.append(n)
     return numbers, new, encoding
