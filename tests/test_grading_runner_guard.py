@@ -117,6 +117,17 @@ HONEST.update({
         Args.__module__ = "__main__"
         Args = dataclasses.dataclass(Args)  # no docstring: dataclasses sets __doc__
         """,
+    "an object changing its class (a state pattern)": """
+        class Closed:
+            def open(self):
+                self.__class__ = Open
+
+        class Open(Closed):
+            pass
+
+        door = Closed()
+        door.open()
+        """,
     "a namedtuple's defaults set the old way": """
         import collections
         Point = collections.namedtuple("Point", "x y")
@@ -132,6 +143,16 @@ FOUND = {
             raise ValueError("x")
         except ValueError as exc:
             frame, line = next(traceback.walk_tb(exc.__traceback__))
+        """,
+    "a test case given a class of the patch's": """
+        import unittest
+
+        class Passing(unittest.TestCase):
+            def runTest(self):
+                pass
+
+        case = unittest.TestCase()
+        case.__class__ = Passing
         """,
     "a standard-library function's defaults replaced": """
         import textwrap

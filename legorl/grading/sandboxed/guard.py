@@ -93,11 +93,6 @@ class Guard:
         # classes there are the runner's (a dataclass made in a module run as __main__ sets its __doc__)
         main = sys.modules.get("__main__")
         self._main_classes = [v for v in list(vars(main).values()) if isinstance(v, type)] if main else []
-        import zipfile
-
-        # zipfile.Path makes a ZipFile its own subclass (``source.__class__ = CompleteDirs``, 3.10+)
-        self._zipfile_class = zipfile.ZipFile
-        self._zipfile_path = getattr(sys.modules.get(zipfile.Path.__module__), "__file__", None)
         import builtins
 
         self._builtins = builtins
@@ -145,8 +140,8 @@ class Guard:
             elif event in SETATTR_EVENTS:
                 target, name = args[0], str(args[1]) if len(args) > 1 else ""
                 if name == "__class__" and not isinstance(target, types.ModuleType):
-                    if not self._zip_directories(target):
-                        self._stack(f"{event} {name}", self._getframe(1))  # mock.patch.object would set it for the patch
+                    if self._runner_instance(target):  # mock.patch.object would set it for the patch
+                        self._stack(f"{event} {name}", self._getframe(1))
                 elif name in SPOOF_ATTRS and not (isinstance(target, types.ModuleType)
                                                   and str(target.__name__).split(".")[0] not in WATCHED):
                     if not (name in DEFAULTS_ATTRS and self._own_function(target)):
@@ -162,17 +157,17 @@ class Guard:
         finally:
             self._inside.discard(me)
 
-    def _runner_class(self, target: type) -> bool:
+    def _runner_class(self, target: type, packages: tuple[str, ...] = WATCHED) -> bool:
         root = str(getattr(target, "__module__", "")).split(".")[0]
         if root == "__main__":
             return any(target is c for c in self._main_classes)
-        return root in WATCHED
+        return root in packages
 
-    def _zip_directories(self, target: object) -> bool:
-        """zipfile's own code giving a ZipFile the subclass that lists its folders (``zipfile.Path``)."""
-        caller = self._getframe(2)
-        return (isinstance(target, self._zipfile_class) and caller is not None
-                and caller.f_code.co_filename == self._zipfile_path)
+    def _runner_instance(self, target: object) -> bool:
+        """An instance of a runner class (a test report, a test case, the recorder), or of a subclass of
+        one: its class is the runner's business. Anyone else's object changing class is ordinary (a
+        state pattern; zipfile.Path makes a ZipFile its subclass), and no forgery needs it."""
+        return any(cls is not object and self._runner_class(cls, RUNNER_PACKAGES) for cls in type(target).__mro__)
 
     def _own_function(self, target: object) -> bool:
         """A function of the tree's, or one made from a string (a namedtuple's ``__new__``): its defaults
