@@ -282,3 +282,18 @@ def test_a_builtin_left_replaced_is_a_finding(tmp_path: Path) -> None:
             assert input() == "y"
         """)
     assert report["tampered"] == ["builtins.input replaced"]
+
+
+def test_whose_defaults_are_the_tree_s_business(tmp_path: Path) -> None:
+    """A function made from a string is the tree's only where its globals are not a runner module's (a
+    dataclass's ``__init__`` is made on its module's globals; a namedtuple's ``__new__`` on its own)."""
+    rule = guard.Guard(str(tmp_path), {})
+
+    def made(module: str) -> object:
+        namespace: dict[str, object] = {"__name__": module}
+        exec(compile("def f(x=0):\n    return x\n", "<string>", "exec"), namespace)
+        return namespace["f"]
+
+    assert rule._own_function(made("namedtuple_Point"))
+    assert not rule._own_function(made("unittest.case"))
+    assert not rule._own_function(textwrap.indent)

@@ -170,11 +170,15 @@ class Guard:
         return any(cls is not object and self._runner_class(cls, RUNNER_PACKAGES) for cls in type(target).__mro__)
 
     def _own_function(self, target: object) -> bool:
-        """A function of the tree's, or one made from a string (a namedtuple's ``__new__``): its defaults
-        are the tree's business (``Point.__new__.__defaults__ = ...``, an old namedtuple idiom, scored 0);
-        the runner's and the standard library's functions are not."""
+        """A function of the tree's, or one made from a string outside the runner's modules (a namedtuple's
+        ``__new__``): its defaults are the tree's business (``Point.__new__.__defaults__ = ...``, an old
+        namedtuple idiom, scored 0); the runner's (a dataclass's made ``__init__`` included) and the
+        standard library's functions are not."""
         path = getattr(getattr(target, "__code__", None), "co_filename", None)
-        return isinstance(path, str) and (path.startswith(self.tree) or path.startswith("<"))
+        if not isinstance(path, str):
+            return False
+        owner = str(getattr(target, "__globals__", {}).get("__name__", "")).split(".")[0]
+        return path.startswith(self.tree) or (path.startswith("<") and owner not in WATCHED)
 
     def _own_suspended(self, obj: object, attr: object) -> bool:
         """The frame of a generator (or coroutine) of the tree's own code that is not running: it has no
