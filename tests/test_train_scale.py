@@ -190,19 +190,20 @@ def test_gradient_checkpointing_gives_the_same_gradients(
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_checkpointed_packed_path_in_mlp_tiles_matches_trl_path(
+def test_checkpointed_packed_path_in_token_tiles_matches_trl_path(
     dense_run: RunDir, moe_run: RunDir, tiny_model: Path, tiny_moe_model: Path, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch, moe: bool,
 ) -> None:
-    """With gradient checkpointing the packed path runs its MLPs in token tiles and its norms
-    checkpointed (tiling.py); tiles of 16 tokens cut every row here, as 8 MB tiles cut 32k-token rows."""
+    """With gradient checkpointing the packed path runs its decoder layers in token tiles (a
+    mixture-of-experts model: its norms checkpointed, the experts' block whole; tiling.py); tiles of
+    16 tokens cut every row here, as 8 MB tiles cut 32k-token rows."""
     from legorl.training import tiling
 
     run, model = (moe_run, tiny_moe_model) if moe else (dense_run, tiny_model)
-    monkeypatch.setattr(tiling, "MLP_TILE_BYTES", 16 * 768 * 4)  # the tiny model's ffn is 768 wide
+    monkeypatch.setattr(tiling, "TILE_BYTES", 16 * 768 * 4)  # the tiny model's ffn is 768 wide
     tiles: list[int] = []
     inner = tiling.checkpoint
-    monkeypatch.setattr(tiling, "checkpoint", lambda fn, x, **kw: (tiles.append(x.shape[-2]), inner(fn, x, **kw))[1])
+    monkeypatch.setattr(tiling, "checkpoint", lambda fn, x, *more, **kw: (tiles.append(x.shape[-2]), inner(fn, x, *more, **kw))[1])
     options: dict[str, Any] = {"routing_replay": "on"} if moe else {}
     trl_path = _loss_and_grads(run, model, tmp_path / "a", padding_free=False, **options)
     tiled = _loss_and_grads(run, model, tmp_path / "b", gradient_checkpointing=True, **options)
@@ -210,4 +211,4 @@ def test_checkpointed_packed_path_in_mlp_tiles_matches_trl_path(
     if moe:
         assert tiles and set(tiles) != {16}  # norms only: a mixture-of-experts block runs whole
     else:
-        assert tiles.count(16) > 10  # the MLPs did run in 16-token tiles
+        assert tiles.count(16) > 10  # the layers did run in 16-token tiles

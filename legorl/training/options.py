@@ -124,7 +124,7 @@ class TrainOptions(SamplingConfig):
         "Train in bfloat16: the model is loaded in bf16 and mixed precision is on (TRL: on unless fp16; "
         "legorl: off, as the default must run on CPUs).")})
     gradient_checkpointing: bool = field(default=False, metadata={"help": (
-        "Recompute activations in the backward pass, run each MLP in token tiles and give freed blocks back "
+        "Recompute activations in the backward pass, run decoder layers in token tiles and give freed blocks back "
         "to the system: less memory, slower (TRL: on; legorl: off; docs/training-at-scale.md).")})
 
     def __post_init__(self) -> None:

@@ -55,7 +55,7 @@ from legorl.training.metrics import MetricsRecorder, harness_split
 from legorl.training.packing import Packed
 from legorl.training.recompute import old_logps
 from legorl.training.replay import RoutingWatch, replay_setting, routed
-from legorl.training.tiling import tiled_mlp
+from legorl.training.tiling import token_tiles
 
 # The private GRPOTrainer methods overridden here, each with why TRL's public surface does not do
 # (docs/trainer.md: what a TRL upgrade re-checks; tests/test_trl_hooks.py fails on a rename).
@@ -335,8 +335,8 @@ class SegmentGRPOTrainer(GRPOTrainer):
                 self.forward_tokens += packed.length
                 routing = packed.routing
                 held.enter_context(packed_attention(self.accelerator.unwrap_model(model)))
-                if self.args.gradient_checkpointing:  # memory over compute: MLPs in tiles too (tiling.py)
-                    held.enter_context(tiled_mlp(self.accelerator.unwrap_model(model)))
+                if self.args.gradient_checkpointing:  # memory over compute: layers in token tiles (tiling.py)
+                    held.enter_context(token_tiles(self.accelerator.unwrap_model(model)))
             else:
                 self.forward_tokens += int(completion_mask.numel()) + int(prompt_mask.numel())
                 self.padding_tokens += int((completion_mask == 0).sum())
