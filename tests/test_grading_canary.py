@@ -141,6 +141,42 @@ def test_the_expected_exception_of_pytest_raises() -> None:
     assert not issubclass(ValueError, other) and not issubclass(other, ValueError)
 
 
+@pytest.mark.parametrize("name", ["ParseError", "LookupError"])
+def test_an_expected_exception_outside_the_list_is_never_mutated(name: str) -> None:
+    """A mutated site always named one of ``EXCEPTIONS``: a red team's forger raised whatever a
+    ``raises(NAME)`` line named outside the list, and passed every real test while failing every canary.
+    Only a site naming a list member is mutated, so the name tells a canary from a real test no more."""
+    source = f"""\
+        import pytest
+
+        def test_bad():
+            with pytest.raises({name}, match="minute"):
+                parse("12:60")
+
+        class T:
+            def test_bad(self):
+                self.assertRaises({name}, parse, "12:60")
+        """
+    assert _plan(source, "test_bad", 4) == {}
+    assert _plan(source, "T::test_bad", 9) == {}
+
+
+@pytest.mark.parametrize("name", canary.EXCEPTIONS)
+def test_an_expected_exception_of_the_list_becomes_another_unrelated_one(name: str) -> None:
+    source = f"""\
+        import pytest
+
+        def test_bad():
+            with pytest.raises({name}):
+                parse("12:60")
+        """
+    original = getattr(builtins, name)
+    for salt in map(str, range(20)):
+        new = _plan(source, "test_bad", 4, salt=salt)["test_bad"].split(" -> ")[1]
+        other = getattr(builtins, new)
+        assert new in canary.EXCEPTIONS and not issubclass(original, other) and not issubclass(other, original), new
+
+
 def test_a_local_bound_once_is_the_expected_value() -> None:
     """Where an equality cannot be negated in place, its expected value is changed: here a local bound
     once from a constructor, never the input of the call under test."""
@@ -343,3 +379,24 @@ def test_a_new_value_occurs_in_the_file_as_often_as_the_old_one(salt: str) -> No
 
     new = ast.parse(mutated).body[1].body[0].value.args[1].value  # type: ignore[attr-defined]
     assert new != 1234 and count(mutated, new) == count(text, 1234) == 1
+
+
+@pytest.mark.parametrize("code", ["124", "137"])
+def test_a_run_of_the_task_s_own_patch_that_timed_out_is_not_clean(code: str) -> None:
+    """The gold and empty runs a reference and the canaries are found from: one whose tests timed out
+    (host load) read as clean, its missing statuses gave no canary, and that empty discovery was cached on
+    disk: the task's canaries were lost on this host for good (a red team, reading the code)."""
+    from legorl.core.schemas import TaskRow
+    from legorl.grading.container import GradingContainers, GradingInfraError, Run
+    from legorl.grading.options import GradeOptions
+    from legorl.sandbox.base import ExecResult
+
+    class TimedOut(GradingContainers):
+        def run(self, task: TaskRow, patch: str, canary_seed: str | None = None,
+                canary_tests: object = None, deadline_s: float | None = None) -> tuple[Run, str]:
+            events = {"ready": "", "applied": "", "judged": "", "tests_start": "", "tests_end": code}
+            return Run(ExecResult(0, ""), events, "", None, None, "runner"), "n0nce"
+
+    containers = TimedOut(GradeOptions(), create=lambda spec: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(GradingInfraError, match="timed out"):
+        containers.clean_run(TaskRow(instance_id="t-1"), "", "empty patch")

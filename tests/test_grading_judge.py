@@ -207,3 +207,121 @@ def test_a_data_file_that_starts_like_a_windows_executable_is_data(trees: tuple[
     result = _judge(pristine, tree)
     assert result["reset"] == [["src/pkg/helper.exe", "native code"]]
     assert "src/pkg/countries.csv" in result["changed"]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("move", ["delete", "rename"])
+def test_a_put_back_file_whose_folder_the_patch_removed_gets_its_folder_again(trees: tuple[Path, Path],
+                                                                             move: str) -> None:
+    """Deleting a subpackage (or renaming a folder) that holds a file the judge puts back: ``git apply``
+    removes the emptied folder, and the judge failed (the patch's 0) for want of it (a red team, reading
+    the code)."""
+    pristine, tree = trees
+    for root in (pristine, tree):
+        _write(root, "src/pkg/legacy/__init__.py", "")
+        _write(root, "src/pkg/legacy/test_legacy.py", "def test_old():\n    pass\n")
+        _write(root, "examples/conftest.py", "import pytest\n")
+    os.chmod(pristine / "src/pkg/legacy", 0o750)
+    if move == "delete":
+        shutil.rmtree(tree / "src/pkg/legacy")
+        shutil.rmtree(tree / "examples")
+    else:
+        os.rename(tree / "src/pkg/legacy", tree / "src/pkg/old")
+        os.rename(tree / "examples", tree / "docs_examples")
+    result = _judge(pristine, tree)
+    reset = dict(map(tuple, result["reset"]))  # type: ignore[call-overload]
+    assert reset["src/pkg/legacy/test_legacy.py"] == "test file"
+    assert reset["examples/conftest.py"] == "test runner config"
+    assert (tree / "src/pkg/legacy/test_legacy.py").read_text() == "def test_old():\n    pass\n"
+    assert (tree / "examples/conftest.py").read_text() == "import pytest\n"
+    assert not (tree / "src/pkg/legacy/__init__.py").exists()  # the deletion itself stays
+    assert os.stat(tree / "src/pkg/legacy").st_mode & 0o777 == 0o750  # the folder as it was
+
+
+def test_a_put_back_file_whose_folder_is_now_a_file_or_a_link_fails(tmp_path: Path) -> None:
+    pristine, tree, outside = tmp_path / "pristine", tmp_path / "testbed", tmp_path / "outside"
+    _write(pristine, "a/b/test_x.py", "")
+    outside.mkdir()
+    tree.mkdir()
+    os.symlink(str(outside), tree / "a")
+    with pytest.raises(SystemExit, match="not a directory"):
+        judge_mod.restore(str(tree), str(pristine), "a/b/test_x.py")
+    assert list(outside.iterdir()) == []  # nothing made through the link
+    os.unlink(tree / "a")
+    _write(tree, "a", "")
+    with pytest.raises(SystemExit, match="not a directory"):
+        judge_mod.restore(str(tree), str(pristine), "a/b/test_x.py")
+
+
+@pytest.mark.parametrize("importer", ["from pkg.util import helper", "import pkg.util", "from .util import helper",
+                                      "from . import util", "from pkg import util"])
+def test_a_module_the_library_imports_beside_a_hidden_test_is_library_code(tmp_path: Path, importer: str) -> None:
+    """Beside a hidden test in a package folder, ``pkg/util.py`` imported by ``pkg/core.py`` (which the
+    package imports) is the library's: it was put back as test support, since only the first part of a
+    dotted import counted and a module beside the test was never read for its imports (a red team,
+    reading the code). A helper only tests (or other such helpers) import still goes back."""
+    pristine, tree = tmp_path / "pristine", tmp_path / "testbed"
+    for root in (pristine, tree):
+        _write(root, "pkg/__init__.py", "from .core import run\n")
+        _write(root, "pkg/core.py", f"{importer}\n\ndef run():\n    return 1\n")
+        _write(root, "pkg/util.py", "def helper():\n    return 1\n")
+        _write(root, "pkg/helpers.py", "def check(x):\n    assert x\n")
+        _write(root, "pkg/fixtures.py", "from pkg.helpers import check\n")
+        _write(root, "other/util.py", "import json\n")
+        _write(root, "pkg/core_test.py", "from pkg.fixtures import check\n")
+    _write(tree, "pkg/util.py", "def helper():\n    return 2\n")
+    _write(tree, "pkg/helpers.py", "def check(x):\n    pass\n")
+    result = judge_mod.judge(str(tree), str(pristine), ["pkg/core_test.py"])
+    assert result["reset"] == [["pkg/helpers.py", "test support file"]]
+    assert result["changed"] == ["pkg/util.py"]
+
+
+@pytest.mark.parametrize("folder", ["new", "old"])
+def test_a_new_module_in_a_namespace_folder_inside_a_package_is_kept(trees: tuple[Path, Path], folder: str) -> None:
+    """``src/pkg/plugins/`` (no ``__init__.py``) inside the package ``src/pkg`` is a namespace subpackage, no
+    sys.path entry: a new module there was put back as outside any package (a red team, reading the code)."""
+    pristine, tree = trees
+    if folder == "old":
+        for root in (pristine, tree):
+            _write(root, "src/pkg/plugins/base.py", "class Plugin:\n    pass\n")
+    _write(tree, "src/pkg/core.py", FIX)
+    _write(tree, "src/pkg/plugins/extra.py", "from .base import Plugin\n")
+    _write(tree, "src/json.py", "")  # a folder outside any package stays a way onto sys.path
+    result = _judge(pristine, tree)
+    assert result["reset"] == [["src/json.py", "shadows the module 'json'"]]
+    assert "src/pkg/plugins/extra.py" in result["changed"]  # type: ignore[operator]
+
+
+def test_a_library_module_named_like_a_test_is_library_code(trees: tuple[Path, Path]) -> None:
+    """``chi2_test.py`` that the library imports is the library's (it was put back as a test file: a red
+    team, reading the code); one only a test or ``conftest.py`` imports, or a new one, still goes back."""
+    pristine, tree = trees
+    for root in (pristine, tree):
+        _write(root, "src/pkg/stats/__init__.py", "from .chi2_test import chi2\n")
+        _write(root, "src/pkg/stats/chi2_test.py", "def chi2():\n    return 0\n")
+        _write(root, "src/pkg/stats/ab_test.py", "def check():\n    assert 1\n")
+        _write(root, "src/pkg/stats/t_test.py", "def check():\n    assert 1\n")
+        _write(root, "src/conftest.py", "from pkg.stats.t_test import check\n")
+        _write(root, "tests/test_ab.py", "from pkg.stats.ab_test import check\n")
+    for rel in ("src/pkg/stats/chi2_test.py", "src/pkg/stats/ab_test.py", "src/pkg/stats/t_test.py"):
+        _write(tree, rel, "def check():\n    pass\n")
+    _write(tree, "src/pkg/stats/z_test.py", "def check():\n    pass\n")
+    result = _judge(pristine, tree)
+    assert result["reset"] == [["src/pkg/stats/ab_test.py", "test file"], ["src/pkg/stats/t_test.py", "test file"],
+                               ["src/pkg/stats/z_test.py", "test file"]]
+    assert result["changed"] == ["src/pkg/stats/chi2_test.py"]
+
+
+@pytest.mark.parametrize("folder", ["pkg/sub", "pkg/other"])
+def test_a_folder_inside_a_package_that_pytest_puts_on_sys_path_is_top_level(tmp_path: Path, folder: str) -> None:
+    """pytest (its default import mode) puts a hidden test's or a ``conftest.py``'s folder on sys.path when
+    it has no ``__init__.py``, inside a package or not: a new module there may still shadow one."""
+    pristine, tree = tmp_path / "pristine", tmp_path / "testbed"
+    for root in (pristine, tree):
+        _write(root, "pkg/__init__.py", "")
+        _write(root, "pkg/sub/test_x.py", "def test_x():\n    pass\n")
+        _write(root, "pkg/other/conftest.py", "")
+    _write(tree, f"{folder}/pdb.py", "")
+    _write(tree, f"{folder}/helper.py", "")
+    result = judge_mod.judge(str(tree), str(pristine), ["pkg/sub/test_x.py"])
+    assert result["reset"] == [[f"{folder}/helper.py", "new module outside any package"],
+                               [f"{folder}/pdb.py", "shadows the module 'pdb'"]]

@@ -8,6 +8,8 @@ waited for the grade's timeout, and any task whose tests use such a pool could n
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from legorl.grading.script import launch
+from legorl.grading.script import RUNNER_FILES, launch, sandboxed_files
 
 ENTRY = """
 import multiprocessing
@@ -47,3 +49,40 @@ def test_a_child_of_the_entry_can_import_it_by_name(tmp_path: Path, method: str)
     out = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path), method],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert (out.returncode, out.stdout.strip()) == (0, "[9]"), out.stderr[-2000:]
+
+
+def test_the_runner_reports_a_session_whose_test_removed_its_working_folder(tmp_path: Path) -> None:
+    """Code that enters a temporary folder and removes it leaves the process without a working folder:
+    the runner's checks took the tree from ``os.getcwd()`` after each test, raised, and pytest ended in
+    an internal error (exit 3, a 0 for an honest fix). The tree is taken once, at the start."""
+    folder = tmp_path / "runner"
+    for name, text in sandboxed_files(*RUNNER_FILES).items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "test_cwd.py").write_text(textwrap.dedent("""
+        import os, shutil, tempfile
+
+        def test_leaves_its_folder():
+            scratch = tempfile.mkdtemp()
+            os.chdir(scratch)
+            shutil.rmtree(scratch)
+
+        def test_after():
+            assert True
+        """))
+    (tmp_path / "changes.json").write_text("{}")
+    report = os.open(tmp_path / "report.json", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-I", "-c", launch(str(folder), "runner"), str(report), str(tmp_path / "changes.json"),
+             "-q", "-p", "no:cacheprovider", "test_cwd.py"],
+            input="n0nce\n", capture_output=True, text=True, timeout=120, cwd=tree, pass_fds=(report,),
+        )
+    finally:
+        os.close(report)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    sent = json.loads((tmp_path / "report.json").read_text())
+    assert sent["nonce"] == "n0nce" and sent["exitstatus"] == 0
+    assert set(sent["statuses"].values()) == {"PASSED"} and len(sent["statuses"]) == 2

@@ -272,14 +272,20 @@ class GradingContainers:
             box.remove()
 
     def clean_run(self, task: TaskRow, patch: str, what: str, canary_seed: str | None = None,
-                  canary_tests: Mapping[str, object] | None = None) -> Run:
-        """One run of a patch of the task's own (gold, empty); GradingInfraError unless it is clean."""
+                  canary_tests: Mapping[str, object] | None = None, *, timed_out_ok: bool = False) -> Run:
+        """One run of a patch of the task's own (gold, empty); GradingInfraError unless it is clean
+        (``timed_out_ok``: a run whose tests timed out is clean, as for the task builder, which judges
+        hanging tests itself)."""
         run, nonce = self.run(task, patch, canary_seed=canary_seed, canary_tests=canary_tests)
         if "applied" not in run.events:
             if "apply_failed" in run.events:
                 raise GradingInfraError(f"task {task.instance_id}: its {what} does not apply")
             raise GradingInfraError(run.before_patch_error())
         failure = run.failure(nonce)
+        if failure is None and not timed_out_ok and run.tests_exit_code in (124, 137):
+            # a reference or canary discovery from a run cut short would be kept (cached on disk) as
+            # the task's: a load spike then lost the task's canaries on this host for good
+            failure = f"its tests timed out (exit {run.tests_exit_code})"
         if failure is not None:
             raise GradingInfraError(f"task {task.instance_id}: its {what} does not grade cleanly: {failure}")
         return run

@@ -270,9 +270,10 @@ class Grader:
             self._controls[self.containers.task_key(task)] = (time.monotonic(), "")
         return statuses
 
-    def statuses_for(self, task: TaskRow, patch: str, what: str = "patch") -> dict[str, str]:
+    def statuses_for(self, task: TaskRow, patch: str, what: str = "patch", *, timed_out_ok: bool = False) -> dict[str, str]:
         """Every test's status with ``patch`` applied; GradingInfraError unless the run is clean."""
-        return self.containers.clean_run(task, patch, what).statuses(get_parser(task.log_parser)).full
+        run = self.containers.clean_run(task, patch, what, timed_out_ok=timed_out_ok)
+        return run.statuses(get_parser(task.log_parser)).full
 
     def _control(self, task: TaskRow) -> str | None:
         """Run the control patch (gold, else empty) now; None when it grades normally, else why not."""

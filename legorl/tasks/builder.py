@@ -75,8 +75,8 @@ def validate(task: TaskRow, grader: Grader, runs: int = CHECK_RUNS) -> TaskRow |
     seen: dict[str, list[dict[str, str]]] = {"empty": [], "gold": []}
     try:
         for _ in range(runs):
-            seen["empty"].append(grader.statuses_for(task, "", "unpatched testbed"))
-            seen["gold"].append(grader.statuses_for(task, task.patch or "", "gold patch"))
+            seen["empty"].append(grader.statuses_for(task, "", "unpatched testbed", timed_out_ok=True))
+            seen["gold"].append(grader.statuses_for(task, task.patch or "", "gold patch", timed_out_ok=True))
             if not _test_lists(seen, flaky_tests(seen))[0]:
                 break  # further runs can only take tests away
     except LegorlError as exc:

@@ -15,7 +15,7 @@ both runs):
   ``self.assertEqual(X, L)`` and its relatives — or a literal argument of a constructor call there
   (``datetime(2011, 11, 21)``);
 - the argument a helper call passes to a parameter the helper compares against;
-- the exception class a ``pytest.raises`` or ``assertRaises`` expects;
+- the exception class a ``pytest.raises`` or ``assertRaises`` expects, where it is one of :data:`EXCEPTIONS`;
 - for a parametrized test, its row's value for a parameter that statement compares against.
 
 The new value is another of the same type, drawn from the literals of the same file (else a small
@@ -58,13 +58,15 @@ from .expectations import (
     statement_nodes,
 )
 
-# What an expected exception becomes: common ones, none a base class of another
+# The expected exceptions a canary changes, and what each becomes: common builtins. Only a site naming
+# one of these is mutated, so a mutated site and a real one name the same names: a red team's forger
+# raised whatever a ``pytest.raises(NAME)`` line named when NAME was not in the list (``ParseError``,
+# ``LookupError``), passing every real test and failing every canary
 EXCEPTIONS = ("ValueError", "TypeError", "KeyError", "IndexError", "AttributeError", "RuntimeError",
               "ZeroDivisionError", "OverflowError", "NotImplementedError", "FileNotFoundError")
 PLAIN_STR = re.compile(r"\A([bBuU]?)(['\"])([^'\"\\\n]*)\2\Z")
 PLAIN_INT = re.compile(r"\A(0|[1-9][0-9]*)\Z")
 PLAIN_FLOAT = re.compile(r"\A[0-9]+\.[0-9]+\Z")
-PLAIN_NAME = re.compile(r"\A[A-Za-z_][A-Za-z_0-9]*\Z")
 SAFE_CHARS = re.compile(r"\A[^'\"\\\n\r]*\Z")
 
 Test = Dict[str, Any]  # noqa: UP006 - {"site": [path, line] | None, "salt": str}
@@ -102,12 +104,13 @@ def _spelling(src: list[bytes], node: ast.expr) -> str | None:
 
 
 def _exception(spelling: str, rng: random.Random) -> str | None:
-    """Another common exception class, neither a base nor a subclass of the original where it is a builtin."""
-    if not PLAIN_NAME.match(spelling):
+    """Another of :data:`EXCEPTIONS`, neither a base nor a subclass of the original; None where the
+    original is not itself one of them (a site whose name alone would say it is real)."""
+    if spelling not in EXCEPTIONS:
         return None
-    original = getattr(builtins, spelling, None)
-    choices = [name for name in EXCEPTIONS if name != spelling and not (isinstance(original, type) and (
-        issubclass(original, getattr(builtins, name)) or issubclass(getattr(builtins, name), original)))]
+    original = getattr(builtins, spelling)
+    choices = [name for name in EXCEPTIONS if name != spelling and not (
+        issubclass(original, getattr(builtins, name)) or issubclass(getattr(builtins, name), original))]
     return rng.choice(choices) if choices else None
 
 

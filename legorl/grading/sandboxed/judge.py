@@ -10,7 +10,8 @@ This is the one place these rules live (docs/threat-model.md points here):
 - ``.git`` anywhere (the repository's own history is outside the tree while patches apply);
 - the hidden test files (what the task's test_patch touches), their parent directories, every
   file under a test directory that holds one, and — beside a hidden test in another folder (a flat
-  layout's root) — the modules only tests can need (not the gold patch's, imported by no other module);
+  layout's root) — the modules only tests can need (not the gold patch's, imported by no other module
+  but tests and such modules);
 - symbolic links and special files the patch made, and native code (shared libraries,
   executables: code that no screen can read);
 - files the test runner or the interpreter reads on its own: ``conftest.py``, pytest's and the
@@ -18,10 +19,11 @@ This is the one place these rules live (docs/threat-model.md points here):
   ``sitecustomize``/``usercustomize``, ``.pth``, compiled bytecode, packaging metadata
   (``*.dist-info``/``*.egg-info``: entry points autoload pytest plugins);
 - test files anywhere (``test_*.py``, ``*_test.py``): only the hidden tests run, so a new or edited
-  test file can matter only as a module something imports;
+  test file can matter only as a module something imports (one the library imports is the library's);
 - new top-level modules (outside any package: a folder without ``__init__.py`` may be on
-  ``sys.path``), above all those named like a standard-library module or anything installed in
-  the image (the runner, its dependencies). A fix lives in the package; a new module at the top is a
+  ``sys.path``, unless it lies inside a package and pytest puts it on no path: no hidden test below
+  it, no ``conftest.py`` in it), above all those named like a standard-library module or anything
+  installed in the image (the runner, its dependencies). A fix lives in the package; a new module at the top is a
   reproduction script, or a way around the screen below. Where the fix itself lives at the top (the
   gold patch changes a module outside any package: a single-module library, a namespace package), or
   with ``"top_level_modules": true`` in the config (a Harbor task's WORKDIR, usually a flat folder),
@@ -153,6 +155,8 @@ class Rules:
         self.test_dirs = frozenset(d for d in self.hidden_dirs
                                    if d and os.path.basename(d).lower().startswith(TEST_DIR_PREFIX))
         self._names: frozenset[str] | None = None
+        self.pristine = pristine
+        self._library_tests: frozenset[str] | None = None
         self.support = support_modules(pristine, before, self.hidden_dirs - self.test_dirs, self.hidden, gold)
         self.top_level_modules = top_level_modules or any(  # (a packaging script is no fix's home)
             self._top_level(rel) for rel in gold if rel.endswith(".py") and rel not in self.hidden
@@ -185,7 +189,8 @@ class Rules:
             return "native code"
         if any(p.endswith(METADATA_SUFFIXES) for p in parts):
             return "package metadata"
-        if name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")):
+        if name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")) \
+                and (was is None or rel not in self.library_tests):
             return "test file"
         if was is None and kind is not None and self._top_level(rel):
             mod = module_name(name, kind)
@@ -203,15 +208,33 @@ class Rules:
             self._names = shadowable_names(self.tree)
         return self._names
 
+    @property
+    def library_tests(self) -> frozenset[str]:
+        """Modules named like tests that a module of the library imports (``stats/chi2_test.py``): the
+        library's code. The importers are read as they were before the patch, and none of them is a file
+        the tests own or the runner reads on its own (a test, a test folder's, ``conftest.py``)."""
+        if self._library_tests is None:
+            library = {rel for rel, entry in self.before.items() if entry[0] == "f" and rel.endswith(".py")
+                       and rel not in self.hidden and rel not in self.support
+                       and not any(p.lower().startswith(TEST_DIR_PREFIX) for p in rel.split("/")[:-1])}
+            named = {rel for rel in library if _is_test_name(rel)}
+            importers = [rel for rel in library if rel not in named and not os.path.basename(rel).startswith("test")
+                         and os.path.basename(rel) not in RUNNER_CONFIGS | SITE_HOOKS]
+            self._library_tests = _imported(self.pristine, importers, named) if named else frozenset()
+        return self._library_tests
+
     def _top_level(self, rel: str) -> bool:
         """Not inside a package: its folder has no __init__.py, before or after the patch (so a sys.path
         entry may be that folder; a new ``__init__.py`` does not change that) — unless the folder is new
         and inside a package itself (a new subpackage: no sys.path entry can be a folder the patch made
-        inside a package)."""
+        inside a package), or has no ``__init__.py`` but lies inside a package (a namespace subpackage)
+        where pytest puts no folder on sys.path (it puts there the first folder up from a test or a
+        ``conftest.py`` it loads that has no ``__init__.py``)."""
         parent = os.path.dirname(rel)
         init = (parent + "/" if parent else "") + "__init__.py"
         if self.now.get(init, ("",))[0] != "f":
-            return True
+            return (not parent or parent in self.protected or (parent + "/conftest.py") in self.before
+                    or self._top_level(parent))
         if self.before.get(init, ("",))[0] == "f":
             return False
         return not parent or parent in self.before or self._top_level(parent)
@@ -220,30 +243,65 @@ class Rules:
 def support_modules(pristine: str, before: dict, dirs: frozenset[str], hidden: frozenset[str],
                     gold: frozenset[str]) -> frozenset[str]:
     """Modules beside a hidden test in a folder that is not a test folder (a flat layout's root, say)
-    that only tests can need: not the gold patch's, and imported by no other module of the tree."""
-    import ast
-
+    that only tests can need: not the gold patch's, and imported by no other module of the tree (a test
+    file, or another such module, does not count; one the library imports, directly or through
+    others, is the library's)."""
     candidates = {rel for rel, entry in before.items() if entry[0] == "f" and rel.endswith(".py")
                   and os.path.dirname(rel) in dirs and rel not in gold and rel not in hidden
                   and os.path.basename(rel) not in ("__init__.py", "setup.py", "conftest.py")}
     if not candidates:
         return frozenset()
-    names = {os.path.basename(rel)[:-3]: rel for rel in candidates}
-    used: set[str] = set()
-    for rel, entry in before.items():
-        base = os.path.basename(rel)
-        if entry[0] != "f" or not rel.endswith(".py") or rel in candidates or rel in hidden or base.startswith("test"):
-            continue
-        try:
-            tree = ast.parse(_read(os.path.join(pristine, rel)))
-        except (SyntaxError, ValueError, OSError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                used.update(a.name.split(".")[0] for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                used.update({(node.module or "").split(".")[0], *(a.name for a in node.names)})
-    return frozenset(rel for name, rel in names.items() if name not in used)
+    importers = [rel for rel, entry in before.items() if entry[0] == "f" and rel.endswith(".py")
+                 and rel not in candidates and rel not in hidden and not os.path.basename(rel).startswith("test")]
+    return frozenset(candidates - _imported(pristine, importers, candidates))
+
+
+def _is_test_name(rel: str) -> bool:
+    name = os.path.basename(rel)
+    return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
+
+
+def _imported(pristine: str, importers: list[str], modules: set[str]) -> frozenset[str]:
+    """Which of ``modules`` (.py paths) the ``importers`` import, directly or through one another of
+    ``modules`` that they import. An absolute name matches every module whose path ends with it (which
+    folder is on sys.path is not known); a relative one the module at its path."""
+    import ast
+    import re
+
+    stems = {os.path.basename(rel)[:-3].encode() for rel in modules}
+    names: set[tuple[str, ...]] = set()  # absolute dotted names, and relative ones as paths from the root
+    found: set[str] = set()
+    while importers:
+        for rel in importers:
+            try:
+                source = _read(os.path.join(pristine, rel))
+                if not (any(stem in source for stem in stems) if len(stems) <= 32
+                        else not stems.isdisjoint(re.findall(rb"\w+", source))):
+                    continue  # names none of them (parsing every module of a large tree takes minutes)
+                tree = ast.parse(source)
+            except (SyntaxError, ValueError, OSError):
+                continue
+            package = tuple(rel.split("/")[:-1])
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    dotted = [tuple(a.name.split(".")) for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    module = tuple(node.module.split(".")) if node.module else ()
+                    if node.level:
+                        if node.level - 1 > len(package):
+                            continue
+                        module = ("/", *package[:len(package) - node.level + 1], *module)
+                    dotted = [module, *((*module, a.name) for a in node.names if a.name != "*")]
+                else:
+                    continue
+                names.update(name[:i] for name in dotted for i in range(1, len(name) + 1))
+        importers = []
+        for rel in modules - found:
+            parts = tuple(rel[:-3].split("/"))
+            if ("/", *parts) in names or any(parts[i:] in names for i in range(len(parts))):
+                importers.append(rel)
+        found.update(importers)
+    return frozenset(found)
 
 
 def _ancestors(rel: str) -> list[str]:
@@ -266,9 +324,13 @@ def restore(tree: str, pristine: str, rel: str) -> None:
         _remove(cur)
     if not os.path.lexists(old):
         return
-    parent = os.path.dirname(cur)
-    if not os.path.isdir(parent) or os.path.islink(parent):
-        raise SystemExit(f"cannot restore {rel}: its folder is not a directory")
+    for folder in _ancestors(rel):  # git apply removes a folder it emptied: make it again, as it was
+        path = os.path.join(tree, folder)
+        if not os.path.lexists(path):
+            os.mkdir(path)
+            shutil.copystat(os.path.join(pristine, folder), path, follow_symlinks=False)
+        elif os.path.islink(path) or not os.path.isdir(path):
+            raise SystemExit(f"cannot restore {rel}: its folder is not a directory")
     if os.path.islink(old):
         os.symlink(os.readlink(old), cur)
     elif os.path.isdir(old):

@@ -82,6 +82,7 @@ class Recorder:
     def __init__(self, nonce: str, report: ReportChannel, pristine: RunnerSnapshot,
                  guard: Guard) -> None:
         self.nonce, self.report, self.pristine, self.guard = nonce, report, pristine, guard
+        self.tree = os.getcwd()  # the tests may chdir into a folder and remove it: os.getcwd() then raises
         self.dirs = runner_dirs()
         self.statuses: dict[str, str] = {}
         self.collect_errors = 0
@@ -96,7 +97,7 @@ class Recorder:
     def _check(self, session: object, _changed: Any = changed_objects, _foreign: Any = foreign_plugins) -> None:
         if not self.tampered:
             found = (_changed(self.pristine, self.dirs)
-                     + _foreign(getattr(session, "config", None), os.getcwd()) + self.guard.check())
+                     + _foreign(getattr(session, "config", None), self.tree) + self.guard.check())
             if type(self.statuses) is not dict:
                 found.append("the recorder's statuses were replaced")
             self.tampered = found[:20]
@@ -118,7 +119,7 @@ class Recorder:
         """Where in the tree a test failed (its traceback's frames in the tree): the grader keeps a canary
         only where the buggy code fails it exactly where it fails the real test (checked on the gold and
         empty patches' runs, never on a candidate's, whose code shares this process)."""
-        tree = os.getcwd() + os.sep
+        tree = self.tree + os.sep
         frames: list[list[object]] = []
         for entry in getattr(getattr(call, "excinfo", None), "traceback", None) or []:
             path = str(getattr(entry, "path", ""))
@@ -130,7 +131,7 @@ class Recorder:
         if not self.tampered:  # a hook added and removed again while the tests run is seen here
             # builtins only after a test's teardown, once its fixtures (monkeypatch) have been undone
             builtins = getattr(report, "when", "") == "teardown"
-            self.tampered = (self.guard.check(builtins) + _foreign(self.config, os.getcwd(), REPORT_HOOKS))[:20]
+            self.tampered = (self.guard.check(builtins) + _foreign(self.config, self.tree, REPORT_HOOKS))[:20]
         status = status_of(report)
         if status is None:
             return

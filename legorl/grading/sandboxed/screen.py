@@ -41,16 +41,25 @@ _SCREEN_JOINED = [(re.compile(p), why) for p, why in (
 )]
 
 
+def _lines(text: str) -> list[str]:
+    """The lines as Python numbers them: only ``\n``, ``\r\n`` and ``\r`` end one. ``str.splitlines``
+    also splits at a form feed, ``\x85``, ``\u2028`` and others, which moved every later line's number
+    off the interpreter's: a pristine line then counted as the patch's, and the patch's own as pristine."""
+    lines = re.split(r"\r\n|\r|\n", text)
+    return lines[:-1] if lines[-1] == "" else lines
+
+
 def _source(data: bytes) -> tuple[list[str], str]:
-    """A Python file's lines as Python decodes them (its coding declaration honoured), and that coding."""
+    """A Python file's lines as Python decodes and numbers them (its coding declaration honoured), and
+    that coding."""
     import io
     import tokenize
 
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-        return data.decode(encoding, "replace").splitlines(), encoding
+        return _lines(data.decode(encoding, "replace")), encoding
     except (SyntaxError, LookupError, UnicodeError):
-        return data.decode("utf-8", "replace").splitlines(), "utf-8"
+        return _lines(data.decode("utf-8", "replace")), "utf-8"
 
 
 def added_lines(new_file: bytes, old_file: bytes | None) -> tuple[list[int], list[str], str]:
