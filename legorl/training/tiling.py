@@ -96,6 +96,7 @@ def _tiled_layer(layer: Any, ffn: int, tile_bytes: int) -> Forward:
         q, k, v = (torch.cat(part, dim=2) for part in zip(*pieces, strict=True))
         del pieces
         attended, _ = packed_attention_forward(attn, q, k, v, mask, scaling=attn.scaling,
+                                               dropout=attn.attention_dropout if attn.training else 0.0,
                                                sliding_window=getattr(attn, "sliding_window", None), **passed)
         attended = attended.reshape(*hidden_states.shape[:-1], -1)
         return torch.cat([checkpoint(finish, a, h, use_reentrant=False)
