@@ -189,7 +189,13 @@ def test_ctrl_c_on_a_rollout_says_how_to_resume_and_exits_130(tmp_path: Path, ti
     assert imported.returncode == 0, imported.stderr
     command = ["rollout", "--run", str(tmp_path), "--model", str(tiny_model), "--harness", "mini-swe-agent",
                "--samples", "2", "--max-turns", "2", "--max-tokens", "64"]
-    run = Piped(*command)
+    # A test run started in the background (`nohup`, `&`) ignores SIGINT and its children inherit that,
+    # so the stage would never see this Ctrl-C: start it as a terminal would, SIGINT at its default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run = Piped(*command)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     run.wait_for(rf"{STAMP} rollout 0/2 · ", timeout=300)  # the stage is running: trials have started
     time.sleep(3)
     run.proc.send_signal(signal.SIGINT)
