@@ -189,8 +189,7 @@ class Rules:
             return "native code"
         if any(p.endswith(METADATA_SUFFIXES) for p in parts):
             return "package metadata"
-        if name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")) \
-                and (was is None or rel not in self.library_tests):
+        if _is_test_name(rel) and (was is None or rel not in self.library_tests):
             return "test file"
         if was is None and kind is not None and self._top_level(rel):
             mod = module_name(name, kind)
